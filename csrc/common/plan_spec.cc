@@ -1,0 +1,211 @@
+#include "common/plan_spec.h"
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+#include <stdexcept>
+
+#include "kernels/epilogue.h"
+
+namespace jaxfuse {
+namespace {
+
+// Sizes are bounded so that products of a few of them never overflow int64.
+constexpr int64_t kMaxDim = int64_t{1} << 31;
+
+[[noreturn]] void Fail(const std::string& what) {
+  throw std::invalid_argument("invalid jaxfuse plan: " + what);
+}
+
+std::vector<std::string_view> Split(std::string_view text, char sep) {
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  while (true) {
+    size_t end = text.find(sep, start);
+    parts.push_back(text.substr(start, end == std::string_view::npos ? end : end - start));
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+  }
+  return parts;
+}
+
+int64_t ParseInt(std::string_view field, std::string_view text, int64_t lo, int64_t hi) {
+  int64_t value = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || ptr != text.data() + text.size()) {
+    Fail(std::string(field) + " has a non-integer entry '" + std::string(text) + "'");
+  }
+  if (value < lo || value > hi) {
+    Fail(std::string(field) + " entry " + std::to_string(value) + " is outside [" +
+         std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  return value;
+}
+
+}  // namespace
+
+size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "float32";
+    case DType::kF16: return "float16";
+    case DType::kBF16: return "bfloat16";
+  }
+  return "?";
+}
+
+bool PlanSpec::has(PointwiseOp op) const {
+  return std::find(pointwise.begin(), pointwise.end(), op) != pointwise.end();
+}
+
+std::vector<PlanSpec::Operand> PlanSpec::operands() const {
+  std::vector<Operand> ops{{"x", input_elements(), true}};
+  if (has_conv) ops.push_back({"w", filter_elements(), true});
+  for (PointwiseOp op : pointwise) {
+    switch (op) {
+      case PointwiseOp::kBias: ops.push_back({"bias", out_c, false}); break;
+      case PointwiseOp::kBatchNorm:
+        for (const char* name : {"scale", "shift", "mean", "var"}) {
+          ops.push_back({name, bn_param_elements(), false});
+        }
+        break;
+      case PointwiseOp::kSideAdd: ops.push_back({"side", output_elements(), true}); break;
+      case PointwiseOp::kActivation: break;
+    }
+  }
+  ops.push_back({"scalars", kNumScalars, false});
+  return ops;
+}
+
+PlanSpec PlanSpec::Parse(std::string_view text) {
+  PlanSpec spec;
+  spec.text = std::string(text);
+  std::vector<std::string_view> fields = Split(text, ';');
+  if (fields.empty() || fields[0] != "jaxfuse1") Fail("missing the 'jaxfuse1' version tag");
+  bool seen_dtype = false, seen_layout = false, seen_in = false, seen_ops = false;
+  std::string_view ops_text, conv_text, bn_text, act_text;
+  for (size_t i = 1; i < fields.size(); ++i) {
+    std::string_view field = fields[i];
+    size_t eq = field.find('=');
+    if (eq == std::string_view::npos) Fail("field '" + std::string(field) + "' has no '='");
+    std::string_view key = field.substr(0, eq), value = field.substr(eq + 1);
+    if (key == "dtype") {
+      seen_dtype = true;
+      if (value == "f32") spec.dtype = DType::kF32;
+      else if (value == "f16") spec.dtype = DType::kF16;
+      else if (value == "bf16") spec.dtype = DType::kBF16;
+      else Fail("unknown dtype '" + std::string(value) + "'");
+    } else if (key == "layout") {
+      seen_layout = true;
+      if (value == "NCHW") spec.layout = Layout::kNCHW;
+      else if (value == "NHWC") spec.layout = Layout::kNHWC;
+      else Fail("unknown layout '" + std::string(value) + "'");
+    } else if (key == "in") {
+      seen_in = true;
+      auto dims = Split(value, ',');
+      if (dims.size() != 4) Fail("'in' needs 4 dimensions (N,C,H,W)");
+      spec.n = ParseInt("in", dims[0], 0, kMaxDim);
+      spec.c = ParseInt("in", dims[1], 1, kMaxDim);
+      spec.h = ParseInt("in", dims[2], 1, kMaxDim);
+      spec.w = ParseInt("in", dims[3], 1, kMaxDim);
+    } else if (key == "ops") {
+      seen_ops = true;
+      ops_text = value;
+    } else if (key == "conv") {
+      conv_text = value;
+    } else if (key == "bn") {
+      bn_text = value;
+    } else if (key == "act") {
+      act_text = value;
+    } else {
+      Fail("unknown field '" + std::string(key) + "'");
+    }
+  }
+  if (!seen_dtype || !seen_layout || !seen_in || !seen_ops) {
+    Fail("needs dtype, layout, in and ops fields");
+  }
+  if (ops_text.empty()) Fail("'ops' is empty");
+
+  std::string seen;
+  for (size_t i = 0; i < ops_text.size(); ++i) {
+    char letter = ops_text[i];
+    if (seen.find(letter) != std::string::npos) Fail(std::string("operator ") + letter + " repeats");
+    seen.push_back(letter);
+    if (letter == 'C') {
+      if (i != 0) Fail("the convolution must be the first operator");
+      spec.has_conv = true;
+    } else if (letter == 'B' || letter == 'N' || letter == 'S' || letter == 'A') {
+      spec.pointwise.push_back(static_cast<PointwiseOp>(letter));
+    } else {
+      Fail(std::string("unknown operator '") + letter + "'");
+    }
+  }
+
+  spec.out_c = spec.c;
+  spec.out_h = spec.h;
+  spec.out_w = spec.w;
+  if (spec.has_conv) {
+    if (conv_text.empty()) Fail("the plan has a convolution but no 'conv' field");
+    auto f = Split(conv_text, ',');
+    if (f.size() != 14) Fail("'conv' needs 14 entries");
+    ConvGeometry& g = spec.conv;
+    constexpr int64_t kMaxPad = int64_t{1} << 30;
+    g.k = ParseInt("conv.k", f[0], 1, kMaxDim);
+    g.r = ParseInt("conv.r", f[1], 1, kMaxDim);
+    g.s = ParseInt("conv.s", f[2], 1, kMaxDim);
+    g.stride_h = ParseInt("conv.stride", f[3], 1, kMaxDim);
+    g.stride_w = ParseInt("conv.stride", f[4], 1, kMaxDim);
+    g.pad_t = ParseInt("conv.pad", f[5], -kMaxPad, kMaxPad);
+    g.pad_b = ParseInt("conv.pad", f[6], -kMaxPad, kMaxPad);
+    g.pad_l = ParseInt("conv.pad", f[7], -kMaxPad, kMaxPad);
+    g.pad_r = ParseInt("conv.pad", f[8], -kMaxPad, kMaxPad);
+    g.dil_h = ParseInt("conv.dilation", f[9], 1, kMaxDim);
+    g.dil_w = ParseInt("conv.dilation", f[10], 1, kMaxDim);
+    g.groups = ParseInt("conv.groups", f[11], 1, kMaxDim);
+    if (f[12] == "OIHW") g.filter_layout = FilterLayout::kOIHW;
+    else if (f[12] == "HWIO") g.filter_layout = FilterLayout::kHWIO;
+    else if (f[12] == "OHWI") g.filter_layout = FilterLayout::kOHWI;
+    else Fail("unknown filter layout '" + std::string(f[12]) + "'");
+    g.allow_tf32 = ParseInt("conv.tf32", f[13], 0, 1) == 1;
+    if (spec.c % g.groups != 0 || g.k % g.groups != 0) {
+      Fail("groups must divide the input and output channels");
+    }
+    const int64_t eff_h = (g.r - 1) * g.dil_h + 1, eff_w = (g.s - 1) * g.dil_w + 1;
+    const int64_t span_h = spec.h + g.pad_t + g.pad_b - eff_h;
+    const int64_t span_w = spec.w + g.pad_l + g.pad_r - eff_w;
+    if (span_h < 0 || span_w < 0) Fail("the convolution's output would be empty");
+    spec.out_c = g.k;
+    spec.out_h = span_h / g.stride_h + 1;
+    spec.out_w = span_w / g.stride_w + 1;
+  } else if (!conv_text.empty()) {
+    Fail("'conv' given but the plan has no convolution");
+  }
+
+  if (spec.has(PointwiseOp::kBatchNorm)) {
+    if (bn_text == "spatial") spec.bn = BnMode::kSpatial;
+    else if (bn_text == "per_activation") spec.bn = BnMode::kPerActivation;
+    else Fail("batchnorm needs bn=spatial or bn=per_activation");
+  } else if (!bn_text.empty()) {
+    Fail("'bn' given but the plan has no batchnorm");
+  }
+  if (spec.has(PointwiseOp::kActivation)) {
+    if (act_text.empty()) Fail("the activation needs an 'act' mode");
+    spec.activation = static_cast<int>(ParseInt("act", act_text, 0, kNumActivationModes - 1));
+  } else if (!act_text.empty()) {
+    Fail("'act' given but the plan has no activation");
+  }
+
+  // Every tensor must be addressable with int64 offsets, with room to spare.
+  const double limit = static_cast<double>(std::numeric_limits<int64_t>::max()) / 16;
+  for (double count : {double(spec.n) * spec.c * spec.h * spec.w,
+                       double(spec.n) * spec.out_c * spec.out_h * spec.out_w,
+                       spec.has_conv ? double(spec.conv.k) * (spec.c / spec.conv.groups) *
+                                           spec.conv.r * spec.conv.s
+                                     : 0.0}) {
+    if (count > limit) Fail("a tensor has too many elements");
+  }
+  return spec;
+}
+
+}  // namespace jaxfuse

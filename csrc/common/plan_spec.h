@@ -1,0 +1,67 @@
+// PlanSpec: the C++ view of jaxfuse.signature.PlanSignature, parsed from the one string
+// attribute every fused custom call carries. Parsing validates everything, so handlers never
+// trust Python (or a hand-edited exported module) for sizes they index with.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace jaxfuse {
+
+enum class DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+enum class Layout : int { kNCHW = 0, kNHWC = 1 };
+enum class FilterLayout : int { kOIHW = 0, kHWIO = 1, kOHWI = 2 };
+enum class BnMode : int { kNone = 0, kSpatial = 1, kPerActivation = 2 };
+// Pointwise operators after the (optional) convolution, in plan order.
+enum class PointwiseOp : char { kBias = 'B', kBatchNorm = 'N', kSideAdd = 'S', kActivation = 'A' };
+
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+struct ConvGeometry {
+  int64_t k = 0, r = 1, s = 1;
+  int64_t stride_h = 1, stride_w = 1;
+  int64_t pad_t = 0, pad_b = 0, pad_l = 0, pad_r = 0;
+  int64_t dil_h = 1, dil_w = 1;
+  int64_t groups = 1;
+  FilterLayout filter_layout = FilterLayout::kOIHW;
+  bool allow_tf32 = true;
+};
+
+struct PlanSpec {
+  std::string text;  // the string this was parsed from (a cache key)
+  DType dtype = DType::kF32;
+  Layout layout = Layout::kNCHW;
+  int64_t n = 0, c = 0, h = 0, w = 0;
+  bool has_conv = false;
+  ConvGeometry conv;
+  std::vector<PointwiseOp> pointwise;
+  BnMode bn = BnMode::kNone;
+  int activation = 0;
+  // Derived: output channels and spatial size.
+  int64_t out_c = 0, out_h = 0, out_w = 0;
+
+  // Throws std::invalid_argument with a message naming the bad field.
+  static PlanSpec Parse(std::string_view text);
+
+  bool has(PointwiseOp op) const;
+  int64_t input_elements() const { return n * c * h * w; }
+  int64_t output_elements() const { return n * out_c * out_h * out_w; }
+  int64_t filter_elements() const { return conv.k * (c / conv.groups) * conv.r * conv.s; }
+  // Elements of one batch-norm parameter array (per channel or per activation).
+  int64_t bn_param_elements() const {
+    return bn == BnMode::kPerActivation ? out_c * out_h * out_w : out_c;
+  }
+  // The operands in call order (x, w?, bias?, scale/shift/mean/var?, side?, scalars):
+  // element counts and whether each has the plan's dtype (else float32).
+  struct Operand {
+    const char* name;
+    int64_t elements;
+    bool plan_dtype;
+  };
+  std::vector<Operand> operands() const;
+};
+
+}  // namespace jaxfuse

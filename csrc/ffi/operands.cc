@@ -1,0 +1,54 @@
+#include "ffi/operands.h"
+
+namespace jaxfuse {
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::DataType PlanDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return ffi::DataType::F32;
+    case DType::kF16: return ffi::DataType::F16;
+    case DType::kBF16: return ffi::DataType::BF16;
+  }
+  return ffi::DataType::INVALID;
+}
+
+ffi::Error Mismatch(const std::string& what) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jaxfuse fused chain: " + what);
+}
+
+}  // namespace
+
+ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
+                          ffi::Result<ffi::AnyBuffer> out, DecodedOperands* decoded) {
+  const auto expected = spec.operands();
+  if (args.size() != expected.size()) {
+    return Mismatch("the plan takes " + std::to_string(expected.size()) + " operands, got " +
+                    std::to_string(args.size()));
+  }
+  const ffi::DataType plan_type = PlanDataType(spec.dtype);
+  decoded->ptrs.clear();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return Mismatch(std::string(expected[i].name) + " is not a buffer");
+    const ffi::DataType want = expected[i].plan_dtype ? plan_type : ffi::DataType::F32;
+    if (buffer->element_type() != want) {
+      return Mismatch(std::string(expected[i].name) + " has the wrong dtype");
+    }
+    if (static_cast<int64_t>(buffer->element_count()) != expected[i].elements) {
+      return Mismatch(std::string(expected[i].name) + " has " +
+                      std::to_string(buffer->element_count()) + " elements, expected " +
+                      std::to_string(expected[i].elements));
+    }
+    decoded->ptrs.push_back(buffer->untyped_data());
+  }
+  if (out->element_type() != plan_type ||
+      static_cast<int64_t>(out->element_count()) != spec.output_elements()) {
+    return Mismatch("the output buffer does not match the plan");
+  }
+  decoded->out = out->untyped_data();
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxfuse

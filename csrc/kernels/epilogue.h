@@ -1,0 +1,97 @@
+// The fused epilogue, written once for every backend: the C++ CPU kernels include it, and the
+// runtime compiler (NVRTC / hiprtc) compiles it into every GPU kernel.
+//
+// Each output value of the chain is `v = conv_alpha * acc` (or the input value when the plan
+// has no convolution), then the pointwise operators in plan order:
+//   bias        v + b[c]
+//   batchnorm   scale * (v - mean) * rsqrt(var + eps) + shift
+//   side add    v + side_alpha * z
+//   activation  f(v; alpha, beta, gamma), formulas from MIOpen's activation modes
+#pragma once
+
+#if defined(__CUDACC__) || defined(__HIPCC__) || defined(__CUDACC_RTC__) || defined(__HIPCC_RTC__)
+#define JF_HD __host__ __device__ __forceinline__
+#define JF_DEVICE_COMPILE 1
+#else
+#include <cmath>
+#define JF_HD inline __attribute__((always_inline))
+#endif
+
+namespace jaxfuse {
+
+// The numbering of miopenActivationMode_t, and of jaxfuse.ActivationMode.code.
+enum ActivationMode : int {
+  kPassthru = 0,
+  kLogistic = 1,
+  kTanh = 2,
+  kRelu = 3,
+  kSoftrelu = 4,
+  kAbs = 5,
+  kPower = 6,
+  kClippedRelu = 7,
+  kLeakyRelu = 8,
+  kElu = 9,
+  kNumActivationModes = 10,
+};
+
+// Indices into the float32 scalars operand (jaxfuse/signature.py: SCALARS).
+enum ScalarIndex : int {
+  kConvAlpha = 0,
+  kBnEpsilon = 1,
+  kActAlpha = 2,
+  kActBeta = 3,
+  kActGamma = 4,
+  kSideAlpha = 5,
+  kNumScalars = 8,
+};
+
+JF_HD float jf_rsqrt(float x) {
+#ifdef JF_DEVICE_COMPILE
+  return rsqrtf(x);
+#else
+  return 1.0f / sqrtf(x);
+#endif
+}
+
+template <int Mode>
+JF_HD float activate(float x, float a, float b, float g) {
+  if (Mode == kPassthru) return x;
+  if (Mode == kLogistic) return 1.0f / (1.0f + expf(-x));
+  if (Mode == kTanh) return b * tanhf(a * x);
+  if (Mode == kRelu) return x > 0.0f ? x : 0.0f;
+  // log(1 + exp(x)) without overflow for large x.
+  if (Mode == kSoftrelu) return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
+  if (Mode == kAbs) return fabsf(x);
+  if (Mode == kPower) {
+    const float base = a + b * x;
+    return base > 0.0f ? powf(base, g) : 0.0f;
+  }
+  if (Mode == kClippedRelu) return fminf(x > 0.0f ? x : 0.0f, a);
+  if (Mode == kLeakyRelu) return x > 0.0f ? x : a * x;
+  if (Mode == kElu) return x > 0.0f ? x : a * expm1f(x);
+  return x;
+}
+
+// Runtime-dispatched form, for code paths that are not specialized on the mode.
+JF_HD float activate_dynamic(int mode, float x, float a, float b, float g) {
+  switch (mode) {
+    case kLogistic: return activate<kLogistic>(x, a, b, g);
+    case kTanh: return activate<kTanh>(x, a, b, g);
+    case kRelu: return activate<kRelu>(x, a, b, g);
+    case kSoftrelu: return activate<kSoftrelu>(x, a, b, g);
+    case kAbs: return activate<kAbs>(x, a, b, g);
+    case kPower: return activate<kPower>(x, a, b, g);
+    case kClippedRelu: return activate<kClippedRelu>(x, a, b, g);
+    case kLeakyRelu: return activate<kLeakyRelu>(x, a, b, g);
+    case kElu: return activate<kElu>(x, a, b, g);
+    default: return x;
+  }
+}
+
+// Batch-norm inference folded into one multiply-add: v * bn_scale(...) + bn_shift(...).
+JF_HD float bn_fold_scale(float scale, float var, float eps) { return scale * jf_rsqrt(var + eps); }
+JF_HD float bn_fold_shift(float shift, float mean, float folded_scale) {
+  return shift - mean * folded_scale;
+}
+
+}  // namespace jaxfuse

@@ -1,0 +1,53 @@
+"""jaxfuse: MIOpen-style fusion plans for JAX.
+
+Describe a vertical chain of operators (convolution, bias, batch-norm inference, side-input
+add, activation) on an input descriptor, compile it once into one fused kernel per device, and
+execute it any number of times with new weights and parameters, eagerly or under ``jax.jit``.
+"""
+
+from .activations import ActivationMode
+from .args import OperatorArgs
+from .compiled import cache_info, clear_cache
+from .descriptors import ConvDesc, TensorDesc
+from .errors import FusionError, UnsupportedFusionError
+from .functional import (
+    batchnorm_activation,
+    bias_activation,
+    conv_batchnorm_activation,
+    conv_bias_activation,
+    conv_bias_batchnorm_activation,
+)
+from .ops import (
+    ActivationForwardOp,
+    BatchNormInferenceOp,
+    BiasForwardOp,
+    ConvForwardOp,
+    SideInputAddOp,
+)
+from .plan import FusionPlan
+from .support import supported_chains
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActivationForwardOp",
+    "ActivationMode",
+    "BatchNormInferenceOp",
+    "BiasForwardOp",
+    "ConvDesc",
+    "ConvForwardOp",
+    "FusionError",
+    "FusionPlan",
+    "OperatorArgs",
+    "SideInputAddOp",
+    "TensorDesc",
+    "UnsupportedFusionError",
+    "batchnorm_activation",
+    "bias_activation",
+    "cache_info",
+    "clear_cache",
+    "conv_batchnorm_activation",
+    "conv_bias_activation",
+    "conv_bias_batchnorm_activation",
+    "supported_chains",
+]

@@ -1,0 +1,94 @@
+"""Operator handles returned by ``FusionPlan.add_*``: what each operator of a plan is."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .activations import ActivationMode
+from .descriptors import ConvDesc, TensorDesc
+
+__all__ = [
+    "BN_MODES",
+    "ActivationForwardOp",
+    "BatchNormInferenceOp",
+    "BiasForwardOp",
+    "ConvForwardOp",
+    "FusionOp",
+    "SideInputAddOp",
+    "batchnorm_mode",
+]
+
+BN_MODES = ("spatial", "per_activation")
+_BN_ALIASES = {"peractivation": "per_activation", "miopenbnspatial": "spatial",
+               "miopenbnperactivation": "per_activation"}
+
+
+def batchnorm_mode(mode: str) -> str:
+    """Parses a batch-norm mode name ("spatial" or "per_activation")."""
+    if not isinstance(mode, str):
+        raise TypeError(f"batch-norm mode must be a string, got {mode!r}")
+    key = mode.strip().lower().replace("-", "_")
+    key = _BN_ALIASES.get(key.replace("_", ""), key)
+    if key not in BN_MODES:
+        raise ValueError(f"unknown batch-norm mode {mode!r}; expected 'spatial' or "
+                         "'per_activation'")
+    return key
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FusionOp:
+    """An operator of one plan. Handles compare by identity and are tied to their plan."""
+
+    plan_id: int
+    index: int
+
+    letter = "?"
+    kind = "operator"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(index={self.index})"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ConvForwardOp(FusionOp):
+    """Convolution forward: ``y = alpha * conv(x, w)``."""
+
+    conv: ConvDesc
+    filter: TensorDesc
+    letter = "C"
+    kind = "convolution"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class BiasForwardOp(FusionOp):
+    """Per-output-channel bias: ``y = y + b[c]``."""
+
+    desc: TensorDesc
+    letter = "B"
+    kind = "bias"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class BatchNormInferenceOp(FusionOp):
+    """Batch-norm inference: ``y = scale * (y - mean) / sqrt(var + eps) + shift``."""
+
+    mode: str
+    letter = "N"
+    kind = "batchnorm"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class SideInputAddOp(FusionOp):
+    """Residual add of a side input of the output's shape: ``y = y + alpha * z``."""
+
+    letter = "S"
+    kind = "side_add"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class ActivationForwardOp(FusionOp):
+    """Activation ``y = f(y; alpha, beta, gamma)`` (see :mod:`jaxfuse.activations`)."""
+
+    mode: ActivationMode
+    letter = "A"
+    kind = "activation"

@@ -1,0 +1,84 @@
+"""The fused-chain JAX primitive: shape rule, lowering to the XLA FFI handler, eager impl.
+
+One primitive serves every plan; its single parameter is the hashable :class:`PlanSignature`,
+which fixes the operands (``signature.operands``) and the result shape. Transformation rules
+(batching, differentiation, partitioning) live in :mod:`jaxfuse.transforms`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from ._extension import FFI_TARGET, register_targets
+from .signature import PlanSignature
+
+__all__ = ["fused_chain", "fused_chain_p"]
+
+fused_chain_p = Primitive("jaxfuse_fused_chain")
+
+
+def fused_chain(signature: PlanSignature, x: Any, *params: Any) -> jax.Array:
+    """Runs the fused chain described by `signature`.
+
+    `params` are the operands after `x` in ``signature.operands`` order (filters, bias, batch-norm
+    scale/shift/mean/var, side input, scalars). Per-channel parameters may be any float dtype;
+    they are applied in float32.
+    """
+    specs = signature.operands
+    if len(params) != len(specs) - 1:
+        raise TypeError(f"fused chain {signature.ops} takes {len(specs)} operands "
+                        f"({', '.join(s.name for s in specs)}), got {len(params) + 1}")
+    operands = []
+    for spec, value in zip(specs, (x, *params)):
+        operands.append(_checked_operand(spec.name, spec.shape, spec.dtype, value))
+    return fused_chain_p.bind(*operands, signature=signature)
+
+
+def _checked_operand(name: str, shape: tuple[int, ...], dtype: np.dtype, value: Any) -> Any:
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        value = np.asarray(value)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {shape}")
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{name} has dtype {np.dtype(value.dtype).name}, expected a float dtype")
+    if np.dtype(value.dtype) != dtype:
+        if dtype != np.float32:
+            raise TypeError(f"{name} has dtype {np.dtype(value.dtype).name}, expected "
+                            f"{dtype.name} (the plan's dtype)")
+        value = jnp.asarray(value, jnp.float32)  # per-channel parameters run in float32
+    return value
+
+
+@fused_chain_p.def_abstract_eval
+def _abstract_eval(*avals: Any, signature: PlanSignature) -> ShapedArray:
+    return ShapedArray(signature.output_shape, signature.dtype)
+
+
+@functools.cache
+def _jitted(signature: PlanSignature) -> Any:
+    return jax.jit(lambda *args: fused_chain_p.bind(*args, signature=signature))
+
+
+@fused_chain_p.def_impl
+def _impl(*args: Any, signature: PlanSignature) -> Any:
+    # Eager calls compile a one-op XLA program per signature, once.
+    return _jitted(signature)(*args)
+
+
+def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
+              signature: PlanSignature) -> Sequence[Any]:
+    register_targets()
+    rule = jax.ffi.ffi_lowering(FFI_TARGET)
+    return rule(ctx, *args, plan=signature.encode())
+
+
+mlir.register_lowering(fused_chain_p, _lowering)

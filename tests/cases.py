@@ -1,0 +1,167 @@
+"""Test cases shared by the CPU and GPU suites: one fusion plan, random operands, and the
+float64 reference. Tolerances live here, stated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse as jf
+from jaxfuse.activations import DEFAULT_PARAMS, ActivationMode
+from jaxfuse.reference import reference_float64
+from jaxfuse.signature import SCALARS
+
+# Relative L2 error ||out - ref|| / ||ref|| allowed per dtype (fp32 leaves room for TF32 on
+# GPUs; fp16/bf16 for one rounding of the output plus rounded inputs).
+TOLERANCE = {np.dtype(jnp.float32): 2e-3, np.dtype(jnp.float16): 4e-3,
+             np.dtype(jnp.bfloat16): 2.5e-2}
+# The same with exact fp32 (precision="highest"; and always on CPU).
+TOLERANCE_EXACT_FP32 = 1e-5
+
+FILTER_SHAPES = {"OIHW": lambda k, c, r, s: (k, c, r, s), "HWIO": lambda k, c, r, s: (r, s, c, k),
+                 "OHWI": lambda k, c, r, s: (k, r, s, c)}
+
+# Activation parameters that exercise each mode's formula away from its defaults.
+ACT_PARAMS = {
+    ActivationMode.TANH: (0.8, 1.3, 0.0),
+    ActivationMode.POWER: (0.5, 0.7, 1.7),
+    ActivationMode.CLIPPED_RELU: (0.9, 0.0, 0.0),
+    ActivationMode.LEAKY_RELU: (0.2, 0.0, 0.0),
+    ActivationMode.ELU: (0.6, 0.0, 0.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    ops: str = "CBNA"
+    dtype: str = "float32"
+    layout: str = "NCHW"
+    filter_layout: str = "OIHW"
+    n: int = 2
+    c: int = 8
+    h: int = 9
+    w: int = 10
+    k: int = 12
+    r: int = 3
+    s: int = 3
+    strides: tuple[int, int] = (1, 1)
+    padding: Any = ((1, 1), (1, 1))
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bn_mode: str = "spatial"
+    activation: str = "relu"
+    precision: str | None = None
+
+    def __str__(self) -> str:
+        return (f"{self.ops}-{self.dtype}-{self.layout}-{self.filter_layout}-"
+                f"{self.n}x{self.c}x{self.h}x{self.w}-k{self.k}-{self.r}x{self.s}-"
+                f"s{self.strides}-p{self.padding}-d{self.dilation}-g{self.groups}-"
+                f"{self.bn_mode}-{self.activation}")
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        n, c, h, w = self.n, self.c, self.h, self.w
+        return (n, c, h, w) if self.layout == "NCHW" else (n, h, w, c)
+
+    @property
+    def filter_shape(self) -> tuple[int, ...]:
+        return FILTER_SHAPES[self.filter_layout](self.k, self.c // self.groups, self.r, self.s)
+
+    def build(self) -> tuple[jf.FusionPlan, dict[str, Any]]:
+        plan = jf.FusionPlan(jf.TensorDesc(self.input_shape, self.dtype, self.layout))
+        handles: dict[str, Any] = {}
+        for letter in self.ops:
+            if letter == "C":
+                conv = jf.ConvDesc(self.strides, self.padding, self.dilation, self.groups,
+                                   self.precision)
+                handles["C"] = plan.add_conv_forward(
+                    conv, jf.TensorDesc(self.filter_shape, self.dtype, self.filter_layout))
+            elif letter == "B":
+                channels = self.k if "C" in self.ops else self.c
+                handles["B"] = plan.add_bias_forward(jf.TensorDesc((channels,), self.dtype))
+            elif letter == "N":
+                handles["N"] = plan.add_batchnorm_inference(self.bn_mode)
+            elif letter == "S":
+                handles["S"] = plan.add_side_input_add()
+            elif letter == "A":
+                handles["A"] = plan.add_activation_forward(self.activation)
+        return plan, handles
+
+    def random_args(self, plan: jf.FusionPlan, handles: dict[str, Any],
+                    rng: np.random.Generator) -> tuple[Any, jf.OperatorArgs, list[np.ndarray]]:
+        """Random x and arguments (never zeros), and the operands in float64 for the reference."""
+        sig = plan.signature
+        dtype = jnp.dtype(self.dtype)
+        fan_in = (self.c // self.groups) * self.r * self.s if "C" in self.ops else 1
+        x = jnp.asarray(rng.standard_normal(self.input_shape), dtype)
+        args = jf.OperatorArgs()
+        scalars = dict.fromkeys(SCALARS, 0.0)
+        scalars.update(conv_alpha=1.0, side_alpha=1.0)
+        operands: list[np.ndarray] = [np.asarray(x, np.float64)]
+        for letter in self.ops:
+            op = handles[letter]
+            if letter == "C":
+                w = jnp.asarray(rng.standard_normal(self.filter_shape) / np.sqrt(fan_in), dtype)
+                alpha = 1.25
+                args.set_conv_forward(op, w, alpha=alpha)
+                scalars["conv_alpha"] = alpha
+                operands.append(np.asarray(w, np.float64))
+            elif letter == "B":
+                b = rng.standard_normal(sig.param_shape["bias"]).astype(np.float32)
+                args.set_bias_forward(op, b)
+                operands.append(b.astype(np.float64))
+            elif letter == "N":
+                shape = sig.param_shape["batchnorm"]
+                scale = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+                shift = rng.standard_normal(shape).astype(np.float32)
+                mean = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+                var = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+                args.set_batchnorm_inference(op, scale, shift, mean, var, epsilon=1e-3)
+                scalars["bn_epsilon"] = 1e-3
+                operands += [a.astype(np.float64) for a in (scale, shift, mean, var)]
+            elif letter == "S":
+                z = jnp.asarray(rng.standard_normal(sig.output_shape), dtype)
+                args.set_side_input_add(op, z, alpha=0.75)
+                scalars["side_alpha"] = 0.75
+                operands.append(np.asarray(z, np.float64))
+            elif letter == "A":
+                mode = jf.activations.activation_mode(self.activation)
+                a, b, g = ACT_PARAMS.get(mode, DEFAULT_PARAMS[mode])
+                args.set_activation_forward(op, alpha=a, beta=b, gamma=g)
+                scalars.update(act_alpha=a, act_beta=b, act_gamma=g)
+        operands.append(np.asarray([scalars[k] for k in SCALARS], np.float32).astype(np.float64))
+        return x, args, operands
+
+    def tolerance(self, device: Any) -> float:
+        dt = np.dtype(jnp.dtype(self.dtype))
+        if dt == np.float32 and (device.platform == "cpu" or self.precision == "highest"):
+            return TOLERANCE_EXACT_FP32
+        return TOLERANCE[dt]
+
+
+def relative_error(out: Any, ref: np.ndarray) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert not np.isnan(out).any(), "output has NaN"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def run_case(case: Case, device: Any, seed: int = 0, jit: bool = True) -> float:
+    """Compiles, executes and checks one case on `device`; returns the relative error."""
+    rng = np.random.default_rng(seed)
+    plan, handles = case.build()
+    plan.compile(device)
+    x, args, operands = case.random_args(plan, handles, rng)
+    x, args = jax.device_put((x, args), device)
+    run = jax.jit(plan.execute) if jit else plan.execute
+    out = run(x, args)
+    assert out.shape == plan.output_desc.shape
+    assert out.dtype == plan.output_desc.dtype
+    ref = reference_float64(plan.signature, *operands)
+    err = relative_error(out, ref)
+    assert err <= case.tolerance(device), f"{case}: relative error {err:.3g}"
+    return err

@@ -1,0 +1,32 @@
+"""Shared fixtures: the devices a test runs on (CPU always, GPUs when jax has them)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+
+def _gpu_devices() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # `device` parametrizes over the CPU and, marked `gpu`, the first GPU.
+    if "device" in metafunc.fixturenames:
+        params = [pytest.param(jax.devices("cpu")[0], id="cpu")]
+        gpus = _gpu_devices()
+        params.append(pytest.param(gpus[0] if gpus else None, id="gpu",
+                                   marks=[pytest.mark.gpu]))
+        metafunc.parametrize("device", params)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _gpu_devices():
+        return
+    skip = pytest.mark.skip(reason="no GPU visible to jax")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,178 @@
+"""Every misuse raises a clear Python exception naming the problem; nothing crashes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cases import Case
+
+import jaxfuse as jf
+
+
+def _plan(shape=(1, 4, 8, 8), dtype="float32", layout="NCHW") -> jf.FusionPlan:
+    return jf.FusionPlan(jf.TensorDesc(shape, dtype, layout))
+
+
+def _conv_plan():
+    plan = _plan()
+    conv = plan.add_conv_forward(jf.ConvDesc(padding=1), jf.TensorDesc((6, 4, 3, 3), "float32",
+                                                                       "OIHW"))
+    return plan, conv
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(jf.FusionError, ValueError)
+    assert issubclass(jf.UnsupportedFusionError, jf.FusionError)
+
+
+@pytest.mark.parametrize("shape, dtype, layout, exc, match", [
+    ((1, 4, 8), "float32", None, jf.UnsupportedFusionError, "4-D"),
+    ((1, 4, 8, 8), "float64", "NCHW", TypeError, "float64 is not supported"),
+    ((1, 4, 8, 8), "int32", "NCHW", TypeError, "int32 is not supported"),
+    ((1, 4, 8, 8), "float32", "NCWH", ValueError, "layout"),
+    ((1, 4, 8, 8), "float32", "OIHW", jf.UnsupportedFusionError, "NCHW or NHWC"),
+    ((1, 0, 8, 8), "float32", "NCHW", jf.FusionError, "empty"),
+    ((1, -4, 8, 8), "float32", "NCHW", ValueError, "negative"),
+])
+def test_bad_input_descriptors(shape, dtype, layout, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        jf.FusionPlan(jf.TensorDesc(shape, dtype, layout))
+
+
+def test_not_a_descriptor() -> None:
+    with pytest.raises(TypeError, match="TensorDesc"):
+        jf.FusionPlan((1, 4, 8, 8))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strides": 0}, "strides must be >= 1"),
+    ({"dilation": (1, 0)}, "dilation"),
+    ({"padding": "FULL"}, "SAME"),
+    ({"padding": ((1, 2, 3), (1, 1))}, "padding"),
+    ({"groups": 0}, "groups"),
+    ({"strides": "2"}, "strides"),
+])
+def test_bad_conv_descriptors(kwargs, match) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        jf.ConvDesc(**kwargs)
+
+
+@pytest.mark.parametrize("conv, wshape, wdtype, exc, match", [
+    (jf.ConvDesc(), (6, 3, 3, 3), "float32", jf.FusionError, "input channels per group"),
+    (jf.ConvDesc(groups=3), (6, 4, 3, 3), "float32", jf.FusionError, "groups=3 must divide"),
+    (jf.ConvDesc(), (6, 4, 3, 3), "float16", TypeError, "filter dtype float16"),
+    (jf.ConvDesc(), (6, 4, 9, 9), "float32", jf.FusionError, "output would be empty"),
+    (jf.ConvDesc(dilation=4), (6, 4, 3, 3), "float32", jf.FusionError, "output would be empty"),
+    (jf.ConvDesc(padding=-5), (6, 4, 1, 1), "float32", jf.FusionError, "empty"),
+])
+def test_bad_convolutions(conv, wshape, wdtype, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        _plan().add_conv_forward(conv, jf.TensorDesc(wshape, wdtype, "OIHW"))
+
+
+def test_unsupported_orders_name_the_operator() -> None:
+    plan = _plan()
+    plan.add_activation_forward("relu")
+    with pytest.raises(jf.UnsupportedFusionError, match="convolution after the activation"):
+        plan.add_conv_forward(jf.ConvDesc(), jf.TensorDesc((4, 4, 1, 1), "float32", "OIHW"))
+    with pytest.raises(jf.UnsupportedFusionError, match="already has a activation"):
+        plan.add_activation_forward("tanh")
+    plan2, _ = _conv_plan()
+    with pytest.raises(jf.UnsupportedFusionError, match="first operator"):
+        plan2.add_conv_forward(jf.ConvDesc(), jf.TensorDesc((6, 6, 1, 1), "float32", "OIHW"))
+
+
+def test_bias_shape_must_match_channels() -> None:
+    plan, _ = _conv_plan()
+    with pytest.raises(jf.FusionError, match=r"must be \(6,\)"):
+        plan.add_bias_forward(jf.TensorDesc((4,), "float32"))
+
+
+def test_bad_modes() -> None:
+    with pytest.raises(ValueError, match="unknown activation mode 'gelu'"):
+        _plan().add_activation_forward("gelu")
+    with pytest.raises(ValueError, match="unknown batch-norm mode"):
+        _plan().add_batchnorm_inference("instance")
+
+
+def test_empty_plan_does_not_compile() -> None:
+    with pytest.raises(jf.UnsupportedFusionError, match="no operators"):
+        _plan().compile()
+
+
+def test_execute_before_compile_and_after_change() -> None:
+    plan, conv = _conv_plan()
+    args = jf.OperatorArgs().set_conv_forward(conv, np.ones((6, 4, 3, 3), np.float32))
+    x = np.ones((1, 4, 8, 8), np.float32)
+    with pytest.raises(jf.FusionError, match="not compiled"):
+        plan.execute(x, args)
+    plan.compile()
+    plan.execute(x, args)
+    plan.add_activation_forward("relu")
+    with pytest.raises(jf.FusionError, match="changed since compile"):
+        plan.execute(x, args)
+    plan.compile()
+    assert plan.execute(x, args).shape == (1, 6, 8, 8)
+
+
+def test_missing_and_wrong_arguments() -> None:
+    plan, conv = _conv_plan()
+    bias = plan.add_bias_forward(jf.TensorDesc((6,), "float32"))
+    bn = plan.add_batchnorm_inference("spatial")
+    plan.compile()
+    x = np.ones((1, 4, 8, 8), np.float32)
+    w = np.ones((6, 4, 3, 3), np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w)
+    with pytest.raises(ValueError, match="no arguments for the bias operator"):
+        plan.execute(x, args)
+    with pytest.raises(ValueError, match=r"w has shape \(6, 4, 2, 2\), expected \(6, 4, 3, 3\)"):
+        args.set_conv_forward(conv, np.ones((6, 4, 2, 2), np.float32))
+    with pytest.raises(TypeError, match="w has dtype float16, expected float32"):
+        args.set_conv_forward(conv, w.astype(np.float16))
+    with pytest.raises(TypeError, match="needs the BiasForwardOp"):
+        args.set_bias_forward(conv, np.ones(6, np.float32))
+    with pytest.raises(ValueError, match=r"beta=0\.5 is not supported"):
+        args.set_conv_forward(conv, w, beta=0.5)
+    with pytest.raises(ValueError, match=r"b has shape \(4,\)"):
+        args.set_bias_forward(bias, np.ones(4, np.float32))
+    args.set_bias_forward(bias, np.ones(6, np.float32))
+    args.set_batchnorm_inference(bn, *(np.ones(5, np.float32),) * 4)
+    with pytest.raises(ValueError, match=r"scale has shape \(5,\), expected \(6,\)"):
+        plan.execute(x, args)
+    with pytest.raises(ValueError, match="epsilon must be >= 0"):
+        args.set_batchnorm_inference(bn, *(np.ones(6, np.float32),) * 4, epsilon=-1.0)
+    with pytest.raises(ValueError, match="variance is missing"):
+        args.set_batchnorm_inference(bn, *(np.ones(6, np.float32),) * 3, None)
+    args.set_batchnorm_inference(bn, *(np.ones(6, np.float32),) * 4)
+    with pytest.raises(ValueError, match=r"x has shape \(1, 4, 8, 9\)"):
+        plan.execute(np.ones((1, 4, 8, 9), np.float32), args)
+    with pytest.raises(TypeError, match="x has dtype float16"):
+        plan.execute(x.astype(np.float16), args)
+    with pytest.raises(TypeError, match="x must be an array"):
+        plan.execute([[1.0]], args)
+    with pytest.raises(TypeError, match="needs an OperatorArgs"):
+        plan.execute(x, {"w": w})
+
+
+def test_args_from_another_plan_are_rejected() -> None:
+    _plan_a, conv_a = _conv_plan()
+    plan_b, _ = _conv_plan()
+    plan_b.compile()
+    args = jf.OperatorArgs().set_conv_forward(conv_a, np.ones((6, 4, 3, 3), np.float32))
+    with pytest.raises(ValueError, match="no arguments for the convolution"):
+        plan_b.execute(np.ones((1, 4, 8, 8), np.float32), args)
+
+
+def test_malformed_signatures_are_rejected_by_the_extension() -> None:
+    from jaxfuse._extension import extension
+
+    ext = extension()
+    good = Case().build()[0].signature.encode()
+    ext.cpu_prepare(good)
+    for bad in ["", "jaxfuse2;dtype=f32", good.replace("dtype=f32", "dtype=f64"),
+                good.replace("ops=CBNA", "ops=BCNA"), good.replace("ops=CBNA", "ops=CBBA"),
+                good + ";extra=1", good.replace("in=2,", "in=-2,"),
+                good.replace("in=2,8", "in=2,99999999999999999999"),
+                good.replace(",OIHW,", ",XXXX,"), good.replace("act=3", "act=42")]:
+        with pytest.raises(ValueError, match="invalid jaxfuse plan"):
+            ext.cpu_prepare(bad)

@@ -1,0 +1,123 @@
+"""Fused plans against the float64 reference: every chain, dtype, layout, geometry, activation
+mode and batch-norm mode, on the CPU and (marked gpu) on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from cases import Case, run_case
+
+import jaxfuse as jf
+from jaxfuse.activations import ActivationMode
+
+ALL_CHAINS = jf.supported_chains()
+# Chains with a conv in every order of the pointwise tail, and the conv-less ones.
+CHAIN_CASES = [Case(ops=chain) for chain in ALL_CHAINS]
+
+DTYPE_LAYOUT_CASES = [
+    Case(dtype=dt, layout=layout, filter_layout=fl)
+    for dt in ("float32", "float16", "bfloat16")
+    for layout, fls in (("NCHW", ("OIHW", "HWIO")), ("NHWC", ("HWIO", "OHWI", "OIHW")))
+    for fl in fls
+]
+
+GEOMETRY_CASES = [
+    Case(r=1, s=1, padding="VALID", k=16),                           # 1x1
+    Case(strides=(2, 2), padding="SAME"),                            # strided SAME
+    Case(strides=(2, 3), padding=((0, 2), (1, 0)), h=11, w=13),      # asymmetric pad/stride
+    Case(dilation=(2, 3), padding="SAME", h=12, w=12),               # dilated SAME
+    Case(padding=((-1, 0), (2, -1)), h=10, w=10),                    # negative padding crops
+    Case(r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), c=3, k=8, h=16, w=16),  # stem
+    Case(r=5, s=5, padding=((4, 4), (4, 4)), h=3, w=4),              # filter larger than input
+    Case(groups=2, c=8, k=6),                                        # grouped
+    Case(groups=4, c=8, k=20, layout="NHWC", filter_layout="HWIO"),  # grouped, NHWC
+    Case(groups=8, c=8, k=8),                                        # depthwise
+    Case(groups=24, c=24, k=24, layout="NHWC", filter_layout="HWIO", strides=(2, 2)),  # dw NHWC
+    Case(groups=8, c=8, k=16),                                       # depthwise multiplier 2
+    Case(n=1, c=1, k=1, h=5, w=5),                                   # single channel
+    Case(n=3, c=35, k=37, h=6, w=7, layout="NHWC", filter_layout="OHWI"),  # odd channels
+    Case(padding=((1, 1), (1, 1)), strides=(1, 1), h=1, w=1),        # 1x1 input
+]
+
+ACTIVATION_CASES = [
+    Case(ops=ops, activation=mode.value, dtype=dt, layout=layout)
+    for mode in ActivationMode
+    for dt in ("float32", "float16", "bfloat16")
+    for ops, layout in (("CBA", "NCHW"), ("NA", "NHWC"))
+]
+
+BN_CASES = [
+    Case(ops=ops, bn_mode=mode, layout=layout, filter_layout=fl, dtype=dt)
+    for mode in ("spatial", "per_activation")
+    for ops in ("CBNA", "NA", "N")
+    for layout, fl in (("NCHW", "OIHW"), ("NHWC", "HWIO"))
+    for dt in ("float32", "bfloat16")
+]
+
+
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=str)
+def test_every_chain(case: Case, device) -> None:
+    run_case(case, device)
+
+
+@pytest.mark.parametrize("case", DTYPE_LAYOUT_CASES, ids=str)
+def test_dtypes_and_layouts(case: Case, device) -> None:
+    run_case(case, device)
+
+
+@pytest.mark.parametrize("case", GEOMETRY_CASES, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_conv_geometry(case: Case, dtype: str, device) -> None:
+    run_case(dataclasses.replace(case, dtype=dtype), device)
+
+
+@pytest.mark.parametrize("case", ACTIVATION_CASES, ids=str)
+def test_activation_modes(case: Case, device) -> None:
+    run_case(case, device)
+
+
+@pytest.mark.parametrize("case", BN_CASES, ids=str)
+def test_batchnorm_modes(case: Case, device) -> None:
+    run_case(case, device)
+
+
+def test_exact_fp32_precision(device) -> None:
+    run_case(Case(precision="highest", c=64, k=64), device)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_eager_and_jit_agree(jit: bool, device) -> None:
+    run_case(Case(ops="CBNSA", layout="NHWC", filter_layout="HWIO"), device, jit=jit)
+
+
+def test_larger_layer(device) -> None:
+    # Big enough to split across threads / blocks in every direction.
+    run_case(Case(n=4, c=64, k=96, h=28, w=28, layout="NHWC", filter_layout="HWIO",
+                  dtype="bfloat16"), device)
+
+
+def test_seeds_differ(device) -> None:
+    # The check is on fresh random data each time, not one lucky draw.
+    for seed in range(3):
+        run_case(Case(ops="CNA", activation="tanh"), device, seed=seed)
+
+
+def test_functional_matches_plan(device) -> None:
+    import numpy as np
+    from jax import lax
+
+    rng = np.random.default_rng(1)
+    x = jax.device_put(rng.standard_normal((2, 10, 10, 8)).astype(np.float32), device)
+    w = jax.device_put(rng.standard_normal((3, 3, 4, 12)).astype(np.float32) / 6, device)
+    b = rng.standard_normal(12).astype(np.float32)
+    y = jf.conv_bias_activation(x, w, b, window_strides=(1, 2), padding="SAME",
+                                feature_group_count=2, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                activation="leaky_relu", activation_alpha=0.1,
+                                precision=lax.Precision.HIGHEST)
+    ref = lax.conv_general_dilated(x, w, (1, 2), "SAME", feature_group_count=2,
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                   precision=lax.Precision.HIGHEST) + b
+    ref = jax.nn.leaky_relu(ref, 0.1)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-4, atol=1e-4)
