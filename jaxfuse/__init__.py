@@ -26,6 +26,7 @@ from .ops import (
 )
 from .plan import FusionPlan
 from .support import supported_chains
+from .transforms import export_disabled_checks
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,6 @@ __all__ = [
     "conv_batchnorm_activation",
     "conv_bias_activation",
     "conv_bias_batchnorm_activation",
+    "export_disabled_checks",
     "supported_chains",
 ]

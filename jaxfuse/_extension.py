@@ -14,7 +14,7 @@ FFI_TARGET = "jaxfuse_fused_chain"
 
 @functools.cache
 def extension() -> ModuleType:
-    """The compiled `_jaxfuse_ext` module (imported lazily so `import jaxfuse` stays cheap)."""
+    """The compiled `_jaxfuse_ext` module (loaded once, by `import jaxfuse`)."""
     try:
         from . import _jaxfuse_ext
     except ImportError as err:  # pragma: no cover - a broken install
@@ -26,7 +26,11 @@ def extension() -> ModuleType:
 
 @functools.cache
 def register_targets() -> None:
-    """Registers the fused-chain handler for every platform the extension was built for."""
+    """Registers the fused-chain handler for every platform the extension was built for.
+
+    Runs at `import jaxfuse` (before any backend starts; registration does not need one), so
+    programs deserialized with ``jax.export`` find the target without tracing jaxfuse first.
+    """
     ext = extension()
     for platform, capsule in ext.ffi_handlers().items():
         jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform=platform)

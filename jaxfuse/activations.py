@@ -9,9 +9,11 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-__all__ = ["DEFAULT_PARAMS", "ActivationMode", "activation_mode", "reference_activation"]
+__all__ = ["DEFAULT_PARAMS", "ActivationMode", "activation_mode", "jax_activation",
+           "reference_activation"]
 
 
 class ActivationMode(str, enum.Enum):
@@ -104,3 +106,30 @@ def reference_activation(mode: str | ActivationMode, x: Any, alpha: Any = None, 
     if mode is ActivationMode.ELU:
         return xp.where(x > 0, x, a * xp.expm1(xp.minimum(x, zero)))
     raise AssertionError(mode)
+
+
+def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, gamma: Any) -> Any:
+    """Applies `mode` to `x` in jax, differentiable with jax.nn's conventions at kinks.
+
+    The values equal :func:`reference_activation`'s; the derivatives at kinks are jax.nn's:
+    relu and clipped_relu have slope 0 at 0 and at the clip (like ``jax.nn.relu``/``relu6``),
+    leaky_relu slope 1 and elu slope alpha at 0 (``jax.nn.leaky_relu``/``elu``), abs slope
+    ``jnp.abs``'s, and power is flat (derivative 0) wherever ``alpha + beta * x <= 0``.
+    """
+    mode = activation_mode(mode)
+    if mode is ActivationMode.LOGISTIC:
+        return jax.nn.sigmoid(x)
+    if mode is ActivationMode.RELU:
+        return jax.nn.relu(x)
+    if mode is ActivationMode.SOFTRELU:
+        return jax.nn.softplus(x)
+    if mode is ActivationMode.CLIPPED_RELU:
+        # Where the clip is active the value is alpha itself, so alpha gets the gradient there.
+        r = jax.nn.relu(x)
+        return jnp.where(r < alpha, r, alpha)
+    if mode is ActivationMode.LEAKY_RELU:
+        return jax.nn.leaky_relu(x, alpha)
+    if mode is ActivationMode.ELU:
+        return jax.nn.elu(x, alpha)
+    # passthru, tanh, abs and power have no kinks jax.nn defines differently.
+    return reference_activation(mode, x, alpha, beta, gamma, xp=jnp)

@@ -65,8 +65,9 @@ def _plan(x_desc: TensorDesc, w_desc: TensorDesc | None, conv: ConvDesc | None, 
         if letter == "C":
             handles.append(plan.add_conv_forward(conv, w_desc))
         elif letter == "B":
-            handles.append(plan.add_bias_forward(TensorDesc((plan.output_desc.dim("C"),),
-                                                            np.float32)))
+            # A bias first in the chain (no conv before it) has the input's channels.
+            channels = (plan.output_desc if plan.ops else x_desc).dim("C")
+            handles.append(plan.add_bias_forward(TensorDesc((channels,), np.float32)))
         elif letter == "N":
             handles.append(plan.add_batchnorm_inference(bn_mode))
         elif letter == "S":

@@ -2,7 +2,9 @@
 
 One primitive serves every plan; its single parameter is the hashable :class:`PlanSignature`,
 which fixes the operands (``signature.operands``) and the result shape. Transformation rules
-(batching, differentiation, partitioning) live in :mod:`jaxfuse.transforms`.
+(batching, differentiation, partitioning) live in :mod:`jaxfuse.transforms` and are installed
+here. The FFI target is registered at import, so deserialized ``jax.export`` programs run in
+any process that imported jaxfuse.
 """
 
 from __future__ import annotations
@@ -20,10 +22,19 @@ from jax.interpreters import mlir
 
 from ._extension import FFI_TARGET, register_targets
 from .signature import PlanSignature
+from .transforms import install_rules, typed_output_sharding, with_unfused_derivative
 
 __all__ = ["fused_chain", "fused_chain_p"]
 
 fused_chain_p = Primitive("jaxfuse_fused_chain")
+
+
+def _bind(signature: PlanSignature, *operands: Any) -> jax.Array:
+    return fused_chain_p.bind(*operands, signature=signature)
+
+
+# The fused forward with the unfused composition's derivative (jvp, vjp, grad).
+_differentiable = with_unfused_derivative(_bind)
 
 
 def fused_chain(signature: PlanSignature, x: Any, *params: Any) -> jax.Array:
@@ -40,7 +51,7 @@ def fused_chain(signature: PlanSignature, x: Any, *params: Any) -> jax.Array:
     operands = []
     for spec, value in zip(specs, (x, *params)):
         operands.append(_checked_operand(spec.name, spec.shape, spec.dtype, value))
-    return fused_chain_p.bind(*operands, signature=signature)
+    return _differentiable(signature, *operands)
 
 
 def _checked_operand(name: str, shape: tuple[int, ...], dtype: np.dtype, value: Any) -> Any:
@@ -60,7 +71,8 @@ def _checked_operand(name: str, shape: tuple[int, ...], dtype: np.dtype, value: 
 
 @fused_chain_p.def_abstract_eval
 def _abstract_eval(*avals: Any, signature: PlanSignature) -> ShapedArray:
-    return ShapedArray(signature.output_shape, signature.dtype)
+    return ShapedArray(signature.output_shape, signature.dtype,
+                       sharding=typed_output_sharding(signature, avals))
 
 
 @functools.cache
@@ -76,9 +88,9 @@ def _impl(*args: Any, signature: PlanSignature) -> Any:
 
 def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
-    register_targets()
     rule = jax.ffi.ffi_lowering(FFI_TARGET)
     return rule(ctx, *args, plan=signature.encode())
 
 
-mlir.register_lowering(fused_chain_p, _lowering)
+register_targets()
+install_rules(fused_chain_p, _bind, _lowering)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .activations import reference_activation
+from .activations import jax_activation, reference_activation
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["reference_float64", "unfused"]
@@ -71,7 +71,8 @@ def _per_sample_to_nchw(p: Any, signature: PlanSignature, bn: bool) -> Any:
 
 def _epilogue(signature: PlanSignature, y: Any, ops: dict[str, Any], scalars: Any,
               xp: Any) -> Any:
-    """The pointwise tail of the chain on an NCHW value `y`, with array module `xp`."""
+    """The pointwise tail of the chain on an NCHW value `y`, with array module `xp` (NumPy, or
+    jax.numpy with jax.nn's derivative conventions for the activation)."""
     s = dict(zip(SCALARS, scalars))
     for letter in signature.ops:
         if letter == "C":
@@ -85,8 +86,9 @@ def _epilogue(signature: PlanSignature, y: Any, ops: dict[str, Any], scalars: An
         elif letter == "S":
             y = y + s["side_alpha"] * _to_nchw(ops["side"], signature.layout)
         elif letter == "A":
-            y = reference_activation(signature.activation, y, s["act_alpha"], s["act_beta"],
-                                     s["act_gamma"], xp=xp)
+            params = (s["act_alpha"], s["act_beta"], s["act_gamma"])
+            y = (jax_activation(signature.activation, y, *params) if xp is jnp else
+                 reference_activation(signature.activation, y, *params, xp=xp))
     return y
 
 
@@ -101,8 +103,12 @@ def reference_float64(signature: PlanSignature, *operands: Any) -> np.ndarray:
     return _from_nchw(y, signature.layout)
 
 
-def unfused(signature: PlanSignature, *operands: Any) -> Any:
-    """The chain as separate jax.numpy ops: conv in the plan's dtype, epilogue in float32."""
+def unfused(signature: PlanSignature, *operands: Any, out_sharding: Any = None) -> Any:
+    """The chain as separate jax.numpy ops: conv in the plan's dtype, epilogue in float32.
+
+    `out_sharding` is the result's sharding type, needed by the conv when operands are
+    sharded in their types (meshes with Explicit axes) in ways jax does not resolve alone.
+    """
     ops = _split(signature, operands)
     y = ops["x"]
     if signature.conv is not None:
@@ -111,7 +117,7 @@ def unfused(signature: PlanSignature, *operands: Any) -> Any:
         y = lax.conv_general_dilated(
             y, ops["w"], c.strides, c.padding, rhs_dilation=c.dilation,
             dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
-            feature_group_count=c.groups, precision=precision)
+            feature_group_count=c.groups, precision=precision, out_sharding=out_sharding)
     y = _to_nchw(y.astype(jnp.float32), signature.layout)
     params = {k: jnp.asarray(v, jnp.float32) for k, v in ops.items()
               if k not in ("x", "w", "scalars")}

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# Eight host CPU devices for the sharding tests (tests/test_sharding.py). XLA reads the flag
+# once, when jax starts its CPU backend, so it must be set before jax is imported. It only adds
+# host devices: every other test keeps using the first device. Left alone if the caller set it.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import pytest
 
