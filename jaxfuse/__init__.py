@@ -5,6 +5,7 @@ add, activation) on an input descriptor, compile it once into one fused kernel p
 execute it any number of times with new weights and parameters, eagerly or under ``jax.jit``.
 """
 
+from ._extension import register_targets
 from .activations import ActivationMode
 from .args import OperatorArgs
 from .compiled import cache_info, clear_cache
@@ -28,6 +29,9 @@ from .plan import FusionPlan
 from .support import supported_chains
 
 __version__ = "0.1.0"
+
+# At import, so that programs deserialized with jax.export find the handlers.
+register_targets()
 
 __all__ = [
     "ActivationForwardOp",

@@ -14,11 +14,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from ._extension import FFI_TARGET, register_targets
+from ._compat import ShapedArray
+from ._extension import FFI_TARGET
 from .signature import PlanSignature
 
 __all__ = ["fused_chain", "fused_chain_p"]
@@ -76,7 +76,6 @@ def _impl(*args: Any, signature: PlanSignature) -> Any:
 
 def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
-    register_targets()
     rule = jax.ffi.ffi_lowering(FFI_TARGET)
     return rule(ctx, *args, plan=signature.encode())
 
