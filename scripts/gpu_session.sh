@@ -7,7 +7,7 @@ mode=${1:-full}
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export JAXFUSE_CACHE_DIR="$OUT/cache_unused_$$"; rm -rf "$JAXFUSE_CACHE_DIR"
+export JAXFUSE_CACHE_DIR="/tmp/jaxfuse-cache-$$"; rm -rf "$JAXFUSE_CACHE_DIR"
 py=python3
 
 echo "== build"

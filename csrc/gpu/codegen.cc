@@ -1,13 +1,34 @@
 #include "gpu/codegen.h"
 
 #include <algorithm>
-#include <sstream>
 #include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "kernels/epilogue.h"
 
 namespace jaxfuse::gpu {
 namespace {
+
+// Builds source text. (No iostreams: some toolchains link libstdc++ statically into the
+// extension, where stream locales are never initialized.)
+class Text {
+ public:
+  Text& operator<<(std::string_view text) {
+    out_.append(text);
+    return *this;
+  }
+  template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
+  Text& operator<<(Int value) {
+    out_ += std::to_string(value);
+    return *this;
+  }
+  const std::string& str() const { return out_; }
+
+ private:
+  std::string out_;
+};
 
 unsigned GridFor(int64_t work_items, int threads, const DeviceInfo& device) {
   // Enough blocks to fill the device several times over; kernels loop beyond that.
@@ -19,7 +40,7 @@ unsigned GridFor(int64_t work_items, int threads, const DeviceInfo& device) {
 // The plan's sizes and types as compile-time constants (namespace jaxfuse::plan).
 std::string PlanConstants(const PlanSpec& spec) {
   const ConvGeometry& g = spec.conv;
-  std::ostringstream s;
+  Text s;
   s << "namespace jaxfuse {\nnamespace plan {\n"
     << "constexpr int kDtype = " << static_cast<int>(spec.dtype) << ";\n"
     << "typedef Storage<kDtype> Io;\n"
@@ -48,7 +69,7 @@ std::string PlanConstants(const PlanSpec& spec) {
 std::string PlanEpilogue(const PlanSpec& spec) {
   const bool spatial_bn = spec.bn == BnMode::kSpatial;
   const bool per_activation_bn = spec.bn == BnMode::kPerActivation;
-  std::ostringstream s;
+  Text s;
   s << "namespace jaxfuse {\nnamespace plan {\n"
     << "struct Epilogue {\n"
     << "  struct Channel { float bias, bn_mul, bn_add; };\n"
@@ -102,7 +123,7 @@ std::string PlanEpilogue(const PlanSpec& spec) {
 }
 
 std::string TranslationUnit(const PlanSpec& spec, const char* kernel_file) {
-  std::ostringstream s;
+  Text s;
   s << "// jaxfuse kernel for plan: " << spec.text << "\n"
     << "#include \"portable.h\"\n#include \"params.h\"\n#include \"epilogue.h\"\n\n"
     << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n"

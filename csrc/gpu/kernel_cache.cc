@@ -8,9 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <random>
-#include <sstream>
 
 namespace jaxfuse::gpu {
 namespace {
@@ -25,16 +23,23 @@ std::string Hex(uint64_t value) {
 }
 
 bool MakeDirs(const std::string& path) {
-  std::string partial;
-  std::stringstream parts(path);
-  std::string part;
-  if (!path.empty() && path[0] == '/') partial = "/";
-  while (std::getline(parts, part, '/')) {
-    if (part.empty()) continue;
-    partial += part + "/";
-    if (mkdir(partial.c_str(), 0700) != 0 && errno != EEXIST) return false;
+  for (size_t end = path.find('/', 1); ; end = path.find('/', end + 1)) {
+    const std::string partial = path.substr(0, end);
+    if (!partial.empty() && mkdir(partial.c_str(), 0700) != 0 && errno != EEXIST) return false;
+    if (end == std::string::npos) return true;
   }
-  return true;
+}
+
+// The whole file, or false if it cannot be read. (POSIX I/O: see codegen.cc on iostreams.)
+bool ReadFile(const std::string& path, std::string* contents) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  contents->clear();
+  char buffer[1 << 16];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0) contents->append(buffer, n);
+  close(fd);
+  return n == 0;
 }
 
 // Parses a cache file; returns false if anything is off.
@@ -135,12 +140,9 @@ bool DiskCache::Load(const std::string& key, std::string* binary) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!Usable()) return false;
   const std::string path = PathFor(key);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  std::string stored_key;
-  if (Parse(contents.str(), &stored_key, binary) && stored_key == key) return true;
+  std::string contents, stored_key;
+  if (!ReadFile(path, &contents)) return false;
+  if (Parse(contents, &stored_key, binary) && stored_key == key) return true;
   std::remove(path.c_str());  // truncated, corrupted or a colliding key: rebuild it
   binary->clear();
   return false;
@@ -183,11 +185,10 @@ std::vector<std::string> DiskCache::Keys() const {
   while (const dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;
     if (name.size() <= 4 || name.compare(name.size() - 4, 4, kSuffix) != 0) continue;
-    std::ifstream in(directory_ + "/" + name, std::ios::binary);
-    std::ostringstream contents;
-    contents << in.rdbuf();
-    std::string key, payload;
-    if (Parse(contents.str(), &key, &payload)) keys.push_back(key);
+    std::string contents, key, payload;
+    if (ReadFile(directory_ + "/" + name, &contents) && Parse(contents, &key, &payload)) {
+      keys.push_back(key);
+    }
   }
   closedir(dir);
   return keys;
