@@ -1,22 +1,49 @@
-// The Python extension: FFI handler capsules for jax.ffi.register_ffi_target, plus the few
-// host-side entry points plan.compile() and `python -m jaxfuse info` use.
+// The Python extension: FFI handler capsules for jax.ffi.register_ffi_target, and the host-side
+// entry points plan.compile(), the tests and `python -m jaxfuse info` use.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
 #include "cpu/thread_pool.h"
 #include "ffi/handlers.h"
 #include "ffi/plan_registry.h"
+#include "gpu/backend.h"
 #include "gpu/embedded_sources.h"
+#include "gpu/kernel_cache.h"
 
 namespace nb = nanobind;
+using jaxfuse::gpu::Platform;
 
 namespace {
 
-nb::capsule HandlerCapsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+nb::capsule Capsule(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+Platform ParsePlatform(std::string_view name) {
+  if (name == "CUDA" || name == "cuda") return Platform::kCuda;
+  if (name == "ROCM" || name == "rocm") return Platform::kRocm;
+  throw std::invalid_argument("jaxfuse: unknown GPU platform '" + std::string(name) + "'");
+}
+
+nb::dict Describe(const jaxfuse::gpu::GeneratedKernel& generated) {
+  nb::dict out;
+  out["solver"] = generated.solver;
+  nb::list entries;
+  for (const auto& e : generated.entries) {
+    nb::dict entry;
+    entry["name"] = e.name;
+    entry["grid"] = e.grid;
+    entry["block"] = e.block;
+    entry["shared_bytes"] = e.shared_bytes;
+    entry["alignment"] = e.alignment;
+    entries.append(entry);
+  }
+  out["entries"] = entries;
+  return out;
 }
 
 }  // namespace
@@ -26,20 +53,106 @@ NB_MODULE(_jaxfuse_ext, m) {
 
   m.def("ffi_handlers", [] {
     nb::dict handlers;
-    handlers["cpu"] = HandlerCapsule(jaxfuse::kFusedChainCpu);
+    handlers["cpu"] = Capsule(jaxfuse::kFusedChainCpu);
+    nb::dict cuda, rocm;
+    cuda["initialize"] = Capsule(jaxfuse::kFusedChainCudaInitialize);
+    cuda["execute"] = Capsule(jaxfuse::kFusedChainCuda);
+    rocm["initialize"] = Capsule(jaxfuse::kFusedChainRocmInitialize);
+    rocm["execute"] = Capsule(jaxfuse::kFusedChainRocm);
+    handlers["CUDA"] = cuda;
+    handlers["ROCM"] = rocm;
     return handlers;
-  }, "FFI handler capsules by platform name.");
+  }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
 
   m.def("cpu_prepare", [](std::string_view plan) {
     jaxfuse::LookupPlan(plan);  // parses and validates once; raises ValueError if malformed
     return std::string("cpu");
   }, nb::arg("plan"), "Validates a plan signature for the CPU backend.");
 
-  m.def("gpu_prepare", [](std::string_view plan, int device) -> std::string {
-    throw std::runtime_error("this build of jaxfuse has no GPU backend");
-  }, nb::arg("plan"), nb::arg("device"));
-
   m.def("cpu_threads", &jaxfuse::cpu::NumThreads, "Threads the CPU kernels use.");
+
+  m.def("gpu_configure", [](const std::string& cache_dir,
+                            const std::vector<std::string>& compiler_paths) {
+    jaxfuse::gpu::DiskCache::Global().Configure(cache_dir);
+    jaxfuse::gpu::SetCompilerSearchPaths(compiler_paths);
+  }, nb::arg("cache_dir"), nb::arg("compiler_paths"),
+     "Sets the kernel cache directory ('' = memory only) and extra runtime-compiler paths.");
+
+  m.def("gpu_prepare", [](std::string_view platform, std::string_view plan, int ordinal) {
+    const Platform p = ParsePlatform(platform);
+    nb::gil_scoped_release release;  // compiling takes a while; let other threads run
+    auto kernel = jaxfuse::gpu::GetKernel(p, *jaxfuse::LookupPlan(plan), ordinal);
+    nb::gil_scoped_acquire acquire;
+    nb::dict out = Describe(kernel->generated);
+    out["arch"] = kernel->arch;
+    out["origin"] = kernel->origin;
+    return out;
+  }, nb::arg("platform"), nb::arg("plan"), nb::arg("ordinal"),
+     "Compiles (or finds in the caches) and loads the plan's kernel on a GPU device.");
+
+  m.def("gpu_register_device", [](std::string_view platform, int ordinal, const std::string& arch,
+                                  int sm_count, int max_smem_per_block) {
+    jaxfuse::gpu::DeviceInfo info;
+    info.arch = arch;
+    info.sm_count = sm_count;
+    info.max_smem_per_block = max_smem_per_block;
+    info.hip = ParsePlatform(platform) == Platform::kRocm;
+    jaxfuse::gpu::Driver::Get(ParsePlatform(platform)).Register(ordinal, info);
+  }, nb::arg("platform"), nb::arg("ordinal"), nb::arg("arch"), nb::arg("sm_count"),
+     nb::arg("max_smem_per_block"), "Records a device's facts (needed on ROCm).");
+
+  m.def("gpu_compile_only", [](std::string_view platform, std::string_view plan,
+                               const std::string& arch, int sm_count) {
+    jaxfuse::gpu::DeviceInfo device;
+    device.arch = arch;
+    device.sm_count = sm_count;
+    device.hip = ParsePlatform(platform) == Platform::kRocm;
+    device.max_smem_per_block = device.hip ? 64 * 1024 : 227 * 1024;
+    jaxfuse::gpu::GeneratedKernel generated;
+    std::string binary;
+    {
+      nb::gil_scoped_release release;
+      binary = jaxfuse::gpu::CompileOnly(ParsePlatform(platform), *jaxfuse::LookupPlan(plan),
+                                         device, &generated);
+    }
+    nb::dict out = Describe(generated);
+    out["binary_bytes"] = binary.size();
+    out["source"] = generated.source;
+    return out;
+  }, nb::arg("platform"), nb::arg("plan"), nb::arg("arch"), nb::arg("sm_count") = 132,
+     "Compiles a plan's kernel for an architecture without a device (no caches, no load).");
+
+  m.def("gpu_compiler", [](std::string_view platform) {
+    const auto& compiler = jaxfuse::gpu::RuntimeCompiler::Get(ParsePlatform(platform));
+    nb::dict out;
+    out["version"] = compiler.version();
+    out["library"] = compiler.library();
+    return out;
+  }, nb::arg("platform"), "The runtime compiler's version and path (raises if missing).");
+
+  m.def("gpu_device_name", [](std::string_view platform, int ordinal) {
+    return jaxfuse::gpu::Driver::Get(ParsePlatform(platform)).DeviceName(ordinal);
+  }, nb::arg("platform"), nb::arg("ordinal"));
+
+  m.def("gpu_cache", [] {
+    auto& disk = jaxfuse::gpu::DiskCache::Global();
+    nb::dict out;
+    out["directory"] = disk.directory();
+    out["problem"] = disk.problem();
+    nb::list keys;
+    for (const std::string& key : disk.Keys()) keys.append(key);
+    out["keys"] = keys;
+    return out;
+  }, "The disk kernel cache: directory, why it is off (if it is), and the keys it holds.");
+
+  m.def("gpu_stats", [] {
+    const auto s = jaxfuse::gpu::Stats();
+    nb::dict out;
+    out["compilations"] = s.compilations;
+    out["disk_hits"] = s.disk_hits;
+    out["loads"] = s.loads;
+    return out;
+  }, "Counts of kernel compilations, disk-cache hits and device loads in this process.");
 
   m.def("kernel_sources", [] {
     nb::dict sources;

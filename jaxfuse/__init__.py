@@ -5,6 +5,7 @@ add, activation) on an input descriptor, compile it once into one fused kernel p
 execute it any number of times with new weights and parameters, eagerly or under ``jax.jit``.
 """
 
+from ._extension import register_targets
 from .activations import ActivationMode
 from .args import OperatorArgs
 from .compiled import cache_info, clear_cache
@@ -29,6 +30,9 @@ from .support import supported_chains
 from .transforms import export_disabled_checks
 
 __version__ = "0.1.0"
+
+# At import, so that programs deserialized with jax.export find the handlers.
+register_targets()
 
 __all__ = [
     "ActivationForwardOp",

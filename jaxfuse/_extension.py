@@ -1,4 +1,4 @@
-"""Loads the C++ extension once and registers its FFI handlers with XLA."""
+"""Loads the C++ extension once: configures the GPU runtime and registers the FFI handlers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from types import ModuleType
 
 import jax
 
+from . import runtime
+
 __all__ = ["FFI_TARGET", "extension", "register_targets"]
 
 FFI_TARGET = "jaxfuse_fused_chain"
@@ -14,23 +16,21 @@ FFI_TARGET = "jaxfuse_fused_chain"
 
 @functools.cache
 def extension() -> ModuleType:
-    """The compiled `_jaxfuse_ext` module (loaded once, by `import jaxfuse`)."""
+    """The compiled `_jaxfuse_ext` module, configured with the cache and compiler paths."""
     try:
         from . import _jaxfuse_ext
     except ImportError as err:  # pragma: no cover - a broken install
         raise ImportError(
             "jaxfuse's C++ extension is missing; reinstall with `pip install .` from the "
             f"source tree ({err})") from err
+    kernels = runtime.kernel_cache_dir()
+    _jaxfuse_ext.gpu_configure(str(kernels) if kernels else "", runtime.compiler_search_paths())
     return _jaxfuse_ext
 
 
 @functools.cache
 def register_targets() -> None:
-    """Registers the fused-chain handler for every platform the extension was built for.
-
-    Runs at `import jaxfuse` (before any backend starts; registration does not need one), so
-    programs deserialized with ``jax.export`` find the target without tracing jaxfuse first.
-    """
-    ext = extension()
-    for platform, capsule in ext.ffi_handlers().items():
-        jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform=platform)
+    """Registers the fused-chain handlers for every platform (done at ``import jaxfuse``, so a
+    deserialized ``jax.export`` program finds them too)."""
+    for platform, handler in extension().ffi_handlers().items():
+        jax.ffi.register_ffi_target(FFI_TARGET, handler, platform=platform)

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._compat import Tracer
 from .activations import DEFAULT_PARAMS
 from .ops import (
     ActivationForwardOp,
@@ -48,7 +49,7 @@ def _check_blend_beta(beta: Any, setter: str) -> None:
 
 
 def _is_concrete(value: Any) -> bool:
-    return not isinstance(value, jax.core.Tracer)
+    return not isinstance(value, Tracer)
 
 
 def _check_array(name: str, value: Any, shape: tuple[int, ...], dtype: Any | None) -> None:

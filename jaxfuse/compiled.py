@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 from typing import Any
 
 import jax
 
 from ._extension import extension
 from .errors import FusionError
+from .runtime import gpu_platform
 from .signature import PlanSignature
 
 __all__ = ["CompiledPlan", "cache_info", "clear_cache", "compile_signature", "default_device"]
@@ -22,7 +24,7 @@ class CompiledPlan:
     signature: PlanSignature
     platform: str
     device_id: int
-    kernel: str  # the kernel's name, or "cpu"
+    kernel: str  # the GPU solver that runs it ("conv_direct", "pointwise", ...), or "cpu"
 
 
 _lock = threading.Lock()
@@ -58,13 +60,33 @@ def _compile(signature: PlanSignature, platform: str, device: Any) -> CompiledPl
         if platform == "cpu":
             kernel = ext.cpu_prepare(encoded)
         elif platform in ("gpu", "cuda", "rocm"):
-            ordinal = getattr(device, "local_hardware_id", None)
-            kernel = ext.gpu_prepare(encoded, device.id if ordinal is None else ordinal)
+            kernel = _compile_gpu(ext, encoded, device)
         else:
             raise FusionError(f"jaxfuse has no backend for platform {platform!r}")
     except (RuntimeError, ValueError) as err:
         raise FusionError(f"compiling {signature.describe()} for {device} failed:\n{err}") from err
     return CompiledPlan(signature, platform, device.id, kernel)
+
+
+_warned_cache_problem = False
+
+
+def _compile_gpu(ext: Any, encoded: str, device: Any) -> str:
+    """Compiles (or finds in the kernel caches) and loads the plan's kernel on `device`."""
+    global _warned_cache_problem
+    platform = gpu_platform(device)
+    ordinal = getattr(device, "local_hardware_id", None)
+    ordinal = device.id if ordinal is None else ordinal
+    if platform == "ROCM":  # HIP cannot report its architecture name portably
+        ext.gpu_register_device(platform, ordinal, str(device.compute_capability),
+                                int(getattr(device, "core_count", 0)), 64 * 1024)
+    kernel = ext.gpu_prepare(platform, encoded, ordinal)
+    problem = ext.gpu_cache()["problem"]
+    if problem and not _warned_cache_problem:
+        _warned_cache_problem = True
+        warnings.warn(f"jaxfuse keeps GPU kernels in memory only: {problem}", RuntimeWarning,
+                      stacklevel=4)
+    return kernel["solver"]
 
 
 def cache_info() -> dict[str, int]:

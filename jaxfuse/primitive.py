@@ -3,8 +3,7 @@
 One primitive serves every plan; its single parameter is the hashable :class:`PlanSignature`,
 which fixes the operands (``signature.operands``) and the result shape. Transformation rules
 (batching, differentiation, partitioning) live in :mod:`jaxfuse.transforms` and are installed
-here. The FFI target is registered at import, so deserialized ``jax.export`` programs run in
-any process that imported jaxfuse.
+here.
 """
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from ._extension import FFI_TARGET, register_targets
+from ._compat import ShapedArray
+from ._extension import FFI_TARGET
 from .signature import PlanSignature
 from .transforms import install_rules, typed_output_sharding, with_unfused_derivative
 
@@ -92,5 +91,4 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
     return rule(ctx, *args, plan=signature.encode())
 
 
-register_targets()
 install_rules(fused_chain_p, _bind, _lowering)

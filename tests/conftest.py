@@ -11,6 +11,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
 
+# Every kernel run in the tests first fills its output with NaN (csrc/common/debug.h), and the
+# checks reject NaN: an element the kernel forgot to write cannot pass. Set before jaxfuse loads.
+os.environ.setdefault("JAXFUSE_POISON_OUTPUTS", "1")
+
 import jax
 import pytest
 

@@ -28,7 +28,7 @@ void ActivateRowDispatch(int mode, float* v, int64_t count, float a, float b, fl
 
 }  // namespace
 
-Epilogue::Epilogue(const PlanSpec& spec, const FusedBuffers& buffers)
+Epilogue::Epilogue(const PlanSpec& spec, const FusedParams& buffers)
     : spec_(spec), buffers_(buffers) {
   const float* s = buffers.scalars;
   conv_alpha_ = s[kConvAlpha];

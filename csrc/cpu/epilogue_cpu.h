@@ -20,14 +20,14 @@ struct RowPlace {
 class Epilogue {
  public:
   // Folds batch norm into one scale and shift per parameter element, once per call.
-  Epilogue(const PlanSpec& spec, const FusedBuffers& buffers);
+  Epilogue(const PlanSpec& spec, const FusedParams& buffers);
 
   // Applies the pointwise operators to `values` and stores them into the output.
   void ApplyAndStore(float* values, int64_t count, const RowPlace& place) const;
 
  private:
   const PlanSpec& spec_;
-  const FusedBuffers& buffers_;
+  const FusedParams& buffers_;
   float conv_alpha_, side_alpha_, act_alpha_, act_beta_, act_gamma_;
   std::vector<float> bn_scale_, bn_shift_;
 };

@@ -11,6 +11,7 @@
 #include <new>
 #include <stdexcept>
 
+#include "common/debug.h"
 #include "cpu/convert.h"
 #include "cpu/epilogue_cpu.h"
 #include "cpu/thread_pool.h"
@@ -190,7 +191,7 @@ JF_MULTIVERSION __attribute__((flatten)) void DepthwiseRow(const Conv& cv, const
   }
 }
 
-void RunConv(const PlanSpec& spec, const FusedBuffers& buf, const Epilogue& ep) {
+void RunConv(const PlanSpec& spec, const FusedParams& buf, const Epilogue& ep) {
   const Conv cv(spec);
   // kVec floats of slack: vector loads past the last channel of the last pixel stay in bounds.
   Scratch xp = Allocate(cv.n * cv.hp * cv.wp * cv.c + kVec);
@@ -219,7 +220,7 @@ void RunConv(const PlanSpec& spec, const FusedBuffers& buf, const Epilogue& ep) 
 }
 
 // No convolution: the epilogue over the input, in contiguous chunks.
-void RunPointwise(const PlanSpec& spec, const FusedBuffers& buf, const Epilogue& ep) {
+void RunPointwise(const PlanSpec& spec, const FusedParams& buf, const Epilogue& ep) {
   constexpr int64_t kChunk = 2048;
   const int64_t plane = spec.h * spec.w;
   if (spec.layout == Layout::kNCHW) {
@@ -248,8 +249,11 @@ void RunPointwise(const PlanSpec& spec, const FusedBuffers& buf, const Epilogue&
 
 }  // namespace
 
-void RunFused(const PlanSpec& spec, const FusedBuffers& buffers) {
+void RunFused(const PlanSpec& spec, const FusedParams& buffers) {
   if (spec.output_elements() == 0) return;
+  if (PoisonOutputs()) {
+    std::memset(buffers.y, 0xff, spec.output_elements() * dtype_size(spec.dtype));
+  }
   const Epilogue ep(spec, buffers);
   if (spec.has_conv) {
     RunConv(spec, buffers, ep);

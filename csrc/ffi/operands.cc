@@ -51,4 +51,27 @@ ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
   return ffi::Error::Success();
 }
 
+FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& d) {
+  FusedParams b{};
+  size_t i = 0;
+  b.x = d.ptrs[i++];
+  if (spec.has_conv) b.w = d.ptrs[i++];
+  for (PointwiseOp op : spec.pointwise) {
+    switch (op) {
+      case PointwiseOp::kBias: b.bias = static_cast<const float*>(d.ptrs[i++]); break;
+      case PointwiseOp::kBatchNorm:
+        b.bn_scale = static_cast<const float*>(d.ptrs[i++]);
+        b.bn_shift = static_cast<const float*>(d.ptrs[i++]);
+        b.bn_mean = static_cast<const float*>(d.ptrs[i++]);
+        b.bn_var = static_cast<const float*>(d.ptrs[i++]);
+        break;
+      case PointwiseOp::kSideAdd: b.side = d.ptrs[i++]; break;
+      case PointwiseOp::kActivation: break;
+    }
+  }
+  b.scalars = static_cast<const float*>(d.ptrs[i++]);
+  b.y = d.out;
+  return b;
+}
+
 }  // namespace jaxfuse

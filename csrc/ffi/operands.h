@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/plan_spec.h"
+#include "kernels/params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -19,5 +20,8 @@ struct DecodedOperands {
 xla::ffi::Error DecodeOperands(const PlanSpec& spec, xla::ffi::RemainingArgs args,
                                xla::ffi::Result<xla::ffi::AnyBuffer> out,
                                DecodedOperands* decoded);
+
+// The decoded buffers as the kernels' parameter block (shared by every backend).
+FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& decoded);
 
 }  // namespace jaxfuse

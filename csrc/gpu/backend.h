@@ -1,0 +1,49 @@
+// The GPU backend: plan -> generated source -> runtime compiler (or the disk cache) -> module
+// loaded on the device, memoized per (platform, device, plan); and the launch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/plan_spec.h"
+#include "gpu/codegen.h"
+#include "gpu/runtime.h"
+#include "kernels/params.h"
+
+namespace jaxfuse::gpu {
+
+struct LoadedKernel {
+  GeneratedKernel generated;
+  std::vector<void*> functions;  // one per generated entry point
+  std::string arch;
+  std::string origin;  // "compiled" or "disk cache"
+};
+
+// Counters for tests and `python -m jaxfuse info`.
+struct BackendStats {
+  int64_t compilations = 0;  // runtime-compiler invocations
+  int64_t disk_hits = 0;
+  int64_t loads = 0;  // modules loaded onto a device
+};
+
+// The kernel for `spec` on device `ordinal`, compiled and loaded on first use. Thread-safe:
+// concurrent first uses of one plan compile it once. Throws std::runtime_error (with the
+// compiler log when compiling failed).
+std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec& spec,
+                                              int ordinal);
+
+// Launches the kernel on `stream`, choosing the fastest entry point the buffers' alignment
+// allows. A plan with an empty output launches nothing.
+void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel, void* stream,
+            const FusedParams& params);
+
+// Compiles `spec` for `arch` without touching a device or the caches (CI compiles every
+// kernel variant this way on machines without a GPU). Returns the device binary.
+std::string CompileOnly(Platform platform, const PlanSpec& spec, const DeviceInfo& device,
+                        GeneratedKernel* generated);
+
+BackendStats Stats();
+
+}  // namespace jaxfuse::gpu

@@ -1,0 +1,155 @@
+#include "gpu/codegen.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "kernels/epilogue.h"
+
+namespace jaxfuse::gpu {
+namespace {
+
+// Builds source text. (No iostreams: some toolchains link libstdc++ statically into the
+// extension, where stream locales are never initialized.)
+class Text {
+ public:
+  Text& operator<<(std::string_view text) {
+    out_.append(text);
+    return *this;
+  }
+  template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
+  Text& operator<<(Int value) {
+    out_ += std::to_string(value);
+    return *this;
+  }
+  const std::string& str() const { return out_; }
+
+ private:
+  std::string out_;
+};
+
+unsigned GridFor(int64_t work_items, int threads, const DeviceInfo& device) {
+  // Enough blocks to fill the device several times over; kernels loop beyond that.
+  const int64_t wanted = (work_items + threads - 1) / threads;
+  const int64_t cap = std::max<int64_t>(1, int64_t(device.sm_count > 0 ? device.sm_count : 80) * 16);
+  return static_cast<unsigned>(std::clamp<int64_t>(wanted, 1, cap));
+}
+
+// The plan's sizes and types as compile-time constants (namespace jaxfuse::plan).
+std::string PlanConstants(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  Text s;
+  s << "namespace jaxfuse {\nnamespace plan {\n"
+    << "constexpr int kDtype = " << static_cast<int>(spec.dtype) << ";\n"
+    << "typedef Storage<kDtype> Io;\n"
+    << "constexpr bool kNHWC = " << (spec.layout == Layout::kNHWC ? "true" : "false") << ";\n"
+    << "constexpr i64 N = " << spec.n << ", C = " << spec.c << ", H = " << spec.h
+    << ", W = " << spec.w << ";\n"
+    << "constexpr i64 K = " << spec.out_c << ", P = " << spec.out_h << ", Q = " << spec.out_w
+    << ";\n"
+    << "constexpr i64 kOutElements = N * K * P * Q;\n"
+    << "constexpr i64 kPerSample = K * P * Q;\n"
+    << "constexpr int kFilterOIHW = 0, kFilterHWIO = 1, kFilterOHWI = 2;\n";
+  if (spec.has_conv) {
+    s << "constexpr int kFilterLayout = " << static_cast<int>(g.filter_layout) << ";\n"
+      << "constexpr i64 R = " << g.r << ", S = " << g.s << ", SH = " << g.stride_h
+      << ", SW = " << g.stride_w << ", PT = " << g.pad_t << ", PL = " << g.pad_l
+      << ", DH = " << g.dil_h << ", DW = " << g.dil_w << ";\n"
+      << "constexpr i64 G = " << g.groups << ", CG = C / G, KG = K / G;\n"
+      << "constexpr bool kAllowTf32 = " << (g.allow_tf32 ? "true" : "false") << ";\n";
+  }
+  s << "}  // namespace plan\n}  // namespace jaxfuse\n";
+  return s.str();
+}
+
+// The operator chain as straight-line code: Epilogue::channel() loads and folds the
+// per-channel terms once per channel, Epilogue::apply() runs the chain on one value.
+std::string PlanEpilogue(const PlanSpec& spec) {
+  const bool spatial_bn = spec.bn == BnMode::kSpatial;
+  const bool per_activation_bn = spec.bn == BnMode::kPerActivation;
+  Text s;
+  s << "namespace jaxfuse {\nnamespace plan {\n"
+    << "struct Epilogue {\n"
+    << "  struct Channel { float bias, bn_mul, bn_add; };\n"
+    << "  const FusedParams p;\n"
+    << "  float conv_alpha, bn_epsilon, act_alpha, act_beta, act_gamma, side_alpha;\n"
+    << "  JF_DEVICE explicit Epilogue(const FusedParams& params) : p(params) {\n"
+    << "    conv_alpha = p.scalars[kConvAlpha];\n"
+    << "    bn_epsilon = p.scalars[kBnEpsilon];\n"
+    << "    act_alpha = p.scalars[kActAlpha];\n"
+    << "    act_beta = p.scalars[kActBeta];\n"
+    << "    act_gamma = p.scalars[kActGamma];\n"
+    << "    side_alpha = p.scalars[kSideAlpha];\n"
+    << "  }\n"
+    << "  JF_DEVICE Channel channel(i64 c) const {\n"
+    << "    Channel t{0.0f, 1.0f, 0.0f};\n";
+  if (spec.has(PointwiseOp::kBias)) s << "    t.bias = p.bias[c];\n";
+  if (spatial_bn) {
+    s << "    t.bn_mul = bn_fold_scale(p.bn_scale[c], p.bn_var[c], bn_epsilon);\n"
+      << "    t.bn_add = bn_fold_shift(p.bn_shift[c], p.bn_mean[c], t.bn_mul);\n";
+  }
+  s << "    return t;\n  }\n"
+    << "  // v: the convolution's accumulator (or the input value); param: index into\n"
+    << "  // per-activation parameters; out: flat index of the output element.\n"
+    << "  JF_DEVICE float apply(float v, const Channel& t, i64 param, i64 out) const {\n";
+  if (spec.has_conv) s << "    v *= conv_alpha;\n";
+  for (PointwiseOp op : spec.pointwise) {
+    switch (op) {
+      case PointwiseOp::kBias: s << "    v += t.bias;\n"; break;
+      case PointwiseOp::kBatchNorm:
+        if (per_activation_bn) {
+          s << "    {\n"
+            << "      const float m = bn_fold_scale(p.bn_scale[param], p.bn_var[param], "
+               "bn_epsilon);\n"
+            << "      v = v * m + bn_fold_shift(p.bn_shift[param], p.bn_mean[param], m);\n"
+            << "    }\n";
+        } else {
+          s << "    v = v * t.bn_mul + t.bn_add;\n";
+        }
+        break;
+      case PointwiseOp::kSideAdd:
+        s << "    v += side_alpha * Io::load(static_cast<const Io::type*>(p.side)[out]);\n";
+        break;
+      case PointwiseOp::kActivation:
+        s << "    v = activate<" << spec.activation
+          << ">(v, act_alpha, act_beta, act_gamma);\n";
+        break;
+    }
+  }
+  s << "    return v;\n  }\n};\n}  // namespace plan\n}  // namespace jaxfuse\n";
+  return s.str();
+}
+
+std::string TranslationUnit(const PlanSpec& spec, const char* kernel_file) {
+  Text s;
+  s << "// jaxfuse kernel for plan: " << spec.text << "\n"
+    << "#include \"portable.h\"\n#include \"params.h\"\n#include \"epilogue.h\"\n\n"
+    << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n"
+    << "#include \"" << kernel_file << "\"\n";
+  return s.str();
+}
+
+}  // namespace
+
+GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
+  GeneratedKernel out;
+  const int64_t elements = spec.output_elements();
+  if (!spec.has_conv) {
+    const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+    out.solver = "pointwise";
+    out.source = TranslationUnit(spec, "pointwise.cuh");
+    out.entries.push_back({"jaxfuse_pointwise", GridFor(elements / lanes + 1, 256, device), 256,
+                           0, 16});
+    out.entries.push_back({"jaxfuse_pointwise_scalar", GridFor(elements, 256, device), 256, 0,
+                           1});
+    return out;
+  }
+  out.solver = "conv_direct";
+  out.source = TranslationUnit(spec, "conv_direct.cuh");
+  out.entries.push_back({"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1});
+  return out;
+}
+
+}  // namespace jaxfuse::gpu

@@ -1,0 +1,37 @@
+// Code generation: a PlanSpec becomes one translation unit for the runtime compiler: the
+// plan's sizes as constants, its operator chain as a straight-line epilogue, and the kernel
+// files (csrc/kernels/) that apply to it. MIOpen calls the kernel choice a "solver".
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/plan_spec.h"
+
+namespace jaxfuse::gpu {
+
+// What the code generator needs to know about the target device.
+struct DeviceInfo {
+  std::string arch;                 // "sm_90", "gfx90a", ...
+  int sm_count = 0;                 // multiprocessors / compute units
+  int max_smem_per_block = 48 * 1024;  // opt-in dynamic shared memory limit, bytes
+  bool hip = false;
+};
+
+// One kernel entry point of the compiled module and how to launch it.
+struct EntryPoint {
+  std::string name;
+  unsigned grid = 1, block = 256, shared_bytes = 0;
+  int alignment = 1;  // bytes every plan-dtype buffer must be aligned to for this entry
+};
+
+struct GeneratedKernel {
+  std::string solver;                // e.g. "pointwise", "conv_direct"
+  std::string source;                // the main translation unit
+  std::vector<EntryPoint> entries;   // fastest first; the last one applies to any alignment
+};
+
+// Throws std::invalid_argument if no kernel applies (never expected: conv_direct always does).
+GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device);
+
+}  // namespace jaxfuse::gpu

@@ -1,0 +1,43 @@
+// The on-disk kernel cache ($JAXFUSE_CACHE_DIR, default ~/.cache/jaxfuse): one file per
+// compiled kernel, named by a hash of its key. Files are written to a temporary name and
+// renamed, so readers in other processes never see half a file; every read checks the magic,
+// the full key and a checksum, and a file that fails is deleted and rebuilt. Only a directory
+// owned by this user and not writable by others is used (loaded code is executed).
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace jaxfuse::gpu {
+
+class DiskCache {
+ public:
+  static DiskCache& Global();
+
+  // Uses `directory` (created 0700 if missing); "" turns disk caching off.
+  void Configure(const std::string& directory);
+  std::string directory() const;
+  // Empty while the disk cache works; otherwise why it is off (for one Python warning).
+  std::string problem() const;
+
+  // True and fills `binary` on a verified hit; false on a miss or a discarded bad file.
+  bool Load(const std::string& key, std::string* binary);
+  void Store(const std::string& key, const std::string& binary);
+
+  // The keys of every readable entry (for `python -m jaxfuse info`).
+  std::vector<std::string> Keys() const;
+
+ private:
+  std::string PathFor(const std::string& key) const;
+  bool Usable();  // with mu_ held
+  mutable std::mutex mu_;
+  std::string directory_;
+  std::string problem_;
+  bool checked_ = false;
+};
+
+// FNV-1a, 64 bits: file names and checksums (integrity, not security: the directory is).
+uint64_t Fnv1a64(const std::string& data, uint64_t seed = 0xcbf29ce484222325ull);
+
+}  // namespace jaxfuse::gpu

@@ -1,0 +1,342 @@
+#include "gpu/runtime.h"
+
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+
+#include "gpu/dynlib.h"
+#include "gpu/embedded_sources.h"
+
+namespace jaxfuse::gpu {
+namespace {
+
+// Opaque handle types of both runtimes, declared here so no SDK header is needed to build.
+using Handle = void*;
+using Result = int;  // CUresult / hipError_t / nvrtcResult / hiprtcResult: 0 is success
+
+std::mutex search_mu;
+std::vector<std::string>& SearchPaths() {
+  static auto* paths = new std::vector<std::string>();
+  return *paths;
+}
+
+std::vector<std::string> Candidates(const char* env, const std::vector<std::string>& names,
+                                    const std::vector<std::string>& system_dirs) {
+  std::vector<std::string> out;
+  if (const char* forced = std::getenv(env); forced != nullptr && *forced) out.push_back(forced);
+  std::vector<std::string> dirs;
+  {
+    std::lock_guard<std::mutex> lock(search_mu);
+    dirs = SearchPaths();
+  }
+  dirs.insert(dirs.end(), system_dirs.begin(), system_dirs.end());
+  for (const std::string& dir : dirs) {
+    for (const std::string& name : names) out.push_back(dir + "/" + name);
+  }
+  out.insert(out.end(), names.begin(), names.end());  // the dynamic loader's own search
+  return out;
+}
+
+template <typename Fn>
+void Require(const DynamicLibrary& lib, const char* name, Fn* fn) {
+  if (!lib.Get(name, fn)) {
+    throw std::runtime_error(std::string("jaxfuse: ") + lib.path() + " has no symbol " + name);
+  }
+}
+
+}  // namespace
+
+const char* PlatformName(Platform platform) {
+  return platform == Platform::kCuda ? "CUDA" : "ROCM";
+}
+
+void SetCompilerSearchPaths(const std::vector<std::string>& paths) {
+  std::lock_guard<std::mutex> lock(search_mu);
+  SearchPaths() = paths;
+}
+
+// ----- runtime compiler -----------------------------------------------------------------------
+
+struct RuntimeCompiler::Api {
+  std::unique_ptr<DynamicLibrary> lib;
+  Result (*version)(int*, int*);
+  Result (*create)(Handle*, const char*, const char*, int, const char* const*, const char* const*);
+  Result (*compile)(Handle, int, const char* const*);
+  Result (*log_size)(Handle, size_t*);
+  Result (*log)(Handle, char*);
+  Result (*code_size)(Handle, size_t*);
+  Result (*code)(Handle, char*);
+  Result (*destroy)(Handle*);
+  const char* (*error_string)(Result);
+};
+
+RuntimeCompiler::RuntimeCompiler(Platform platform) : platform_(platform) {
+  auto api = std::make_unique<Api>();
+  const bool cuda = platform == Platform::kCuda;
+  api->lib = std::make_unique<DynamicLibrary>(
+      cuda ? Candidates("JAXFUSE_NVRTC", {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"},
+                        {"/usr/local/cuda/lib64"})
+           : Candidates("JAXFUSE_HIPRTC", {"libhiprtc.so", "libhiprtc.so.6", "libhiprtc.so.5"},
+                        {"/opt/rocm/lib"}));
+  if (!api->lib->loaded()) {
+    throw std::runtime_error(std::string("jaxfuse: cannot load the runtime compiler (") +
+                             (cuda ? "NVRTC" : "hiprtc") + "); tried:" + api->lib->errors() +
+                             "\nInstall it (e.g. pip install nvidia-cuda-nvrtc) or set " +
+                             (cuda ? "JAXFUSE_NVRTC" : "JAXFUSE_HIPRTC") + " to its path.");
+  }
+  const DynamicLibrary& lib = *api->lib;
+  const char* p = cuda ? "nvrtc" : "hiprtc";
+  auto name = [&](const char* suffix) { return std::string(p) + suffix; };
+  Require(lib, name("Version").c_str(), &api->version);
+  Require(lib, name("CreateProgram").c_str(), &api->create);
+  Require(lib, name("CompileProgram").c_str(), &api->compile);
+  Require(lib, name("GetProgramLogSize").c_str(), &api->log_size);
+  Require(lib, name("GetProgramLog").c_str(), &api->log);
+  Require(lib, cuda ? "nvrtcGetCUBINSize" : "hiprtcGetCodeSize", &api->code_size);
+  Require(lib, cuda ? "nvrtcGetCUBIN" : "hiprtcGetCode", &api->code);
+  Require(lib, name("DestroyProgram").c_str(), &api->destroy);
+  Require(lib, name("GetErrorString").c_str(), &api->error_string);
+  int major = 0, minor = 0;
+  api->version(&major, &minor);
+  version_ = std::string(p) + " " + std::to_string(major) + "." + std::to_string(minor);
+  library_ = lib.path();
+  api_ = api.release();
+}
+
+const RuntimeCompiler& RuntimeCompiler::Get(Platform platform) {
+  static std::mutex mu;
+  static std::map<Platform, const RuntimeCompiler*> compilers;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = compilers.find(platform);
+  if (it == compilers.end()) {
+    it = compilers.emplace(platform, new RuntimeCompiler(platform)).first;  // lives until exit
+  }
+  return *it->second;
+}
+
+std::string RuntimeCompiler::Compile(const std::string& source, const std::string& arch) const {
+  std::vector<const char*> header_texts, header_names;
+  for (int i = 0; i < kNumEmbeddedSources; ++i) {
+    header_names.push_back(kEmbeddedSources[i].name);
+    header_texts.push_back(kEmbeddedSources[i].text);
+  }
+  Handle program = nullptr;
+  Result status = api_->create(&program, source.c_str(), "jaxfuse_kernel.cu",
+                               static_cast<int>(header_texts.size()), header_texts.data(),
+                               header_names.data());
+  if (status != 0) {
+    throw std::runtime_error(std::string("jaxfuse: creating the kernel program failed: ") +
+                             api_->error_string(status));
+  }
+  const std::string arch_flag = platform_ == Platform::kCuda ? "--gpu-architecture=" + arch
+                                                              : "--offload-arch=" + arch;
+  const std::vector<const char*> options = {arch_flag.c_str(), "-std=c++17"};
+  status = api_->compile(program, static_cast<int>(options.size()), options.data());
+  size_t log_size = 0;
+  std::string log;
+  if (api_->log_size(program, &log_size) == 0 && log_size > 1) {
+    log.resize(log_size);
+    api_->log(program, log.data());
+    log.resize(log_size - 1);
+  }
+  std::string binary;
+  if (status == 0) {
+    size_t size = 0;
+    if (api_->code_size(program, &size) == 0 && size > 0) {
+      binary.resize(size);
+      if (api_->code(program, binary.data()) != 0) binary.clear();
+    }
+  }
+  api_->destroy(&program);
+  if (status != 0 || binary.empty()) {
+    throw std::runtime_error("jaxfuse: " + version_ + " failed to compile the kernel for " + arch +
+                             ": " + api_->error_string(status) + "\ncompiler log:\n" + log);
+  }
+  return binary;
+}
+
+// ----- driver ---------------------------------------------------------------------------------
+
+struct Driver::Api {
+  std::unique_ptr<DynamicLibrary> lib;
+  Result (*init)(unsigned);
+  Result (*device_get)(int*, int);
+  Result (*device_attribute)(int*, int, int);
+  Result (*device_name)(char*, int, int);
+  Result (*primary_ctx_retain)(Handle*, int);
+  Result (*ctx_push)(Handle);
+  Result (*ctx_pop)(Handle*);
+  Result (*module_load_data)(Handle*, const void*);
+  Result (*module_get_function)(Handle*, Handle, const char*);
+  Result (*func_set_attribute)(Handle, int, int);  // CUDA only
+  Result (*launch)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                   Handle, void**, void**);
+  Result (*memset_d8_async)(void*, unsigned char, size_t, Handle);
+  Result (*cu_error_string)(Result, const char**);  // CUDA
+  const char* (*hip_error_string)(Result);         // HIP
+  mutable std::mutex mu;
+  mutable std::map<int, Handle> contexts;
+  mutable std::map<int, DeviceInfo> registered;  // HIP: device facts given by Python
+};
+
+namespace {
+// CUdevice_attribute values (stable parts of the CUDA driver ABI).
+constexpr int kCuAttrSmCount = 16;
+constexpr int kCuAttrCcMajor = 75;
+constexpr int kCuAttrCcMinor = 76;
+constexpr int kCuAttrSmemOptin = 97;
+constexpr int kCuFuncAttrMaxDynamicSmem = 8;
+}  // namespace
+
+Driver::Driver(Platform platform) : platform_(platform) {
+  auto api = std::make_unique<Api>();
+  const bool cuda = platform == Platform::kCuda;
+  api->lib = std::make_unique<DynamicLibrary>(
+      cuda ? std::vector<std::string>{"libcuda.so.1", "libcuda.so"}
+           : Candidates("JAXFUSE_HIP", {"libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.5"},
+                        {"/opt/rocm/lib"}));
+  if (!api->lib->loaded()) {
+    throw std::runtime_error(std::string("jaxfuse: cannot load the ") +
+                             (cuda ? "CUDA driver" : "HIP runtime") + "; tried:" +
+                             api->lib->errors());
+  }
+  const DynamicLibrary& lib = *api->lib;
+  Require(lib, cuda ? "cuInit" : "hipInit", &api->init);
+  Require(lib, cuda ? "cuDeviceGet" : "hipDeviceGet", &api->device_get);
+  Require(lib, cuda ? "cuDeviceGetAttribute" : "hipDeviceGetAttribute", &api->device_attribute);
+  Require(lib, cuda ? "cuDeviceGetName" : "hipDeviceGetName", &api->device_name);
+  Require(lib, cuda ? "cuDevicePrimaryCtxRetain" : "hipDevicePrimaryCtxRetain",
+          &api->primary_ctx_retain);
+  Require(lib, cuda ? "cuCtxPushCurrent_v2" : "hipCtxPushCurrent", &api->ctx_push);
+  Require(lib, cuda ? "cuCtxPopCurrent_v2" : "hipCtxPopCurrent", &api->ctx_pop);
+  Require(lib, cuda ? "cuModuleLoadData" : "hipModuleLoadData", &api->module_load_data);
+  Require(lib, cuda ? "cuModuleGetFunction" : "hipModuleGetFunction", &api->module_get_function);
+  Require(lib, cuda ? "cuLaunchKernel" : "hipModuleLaunchKernel", &api->launch);
+  Require(lib, cuda ? "cuMemsetD8Async" : "hipMemsetD8Async", &api->memset_d8_async);
+  if (cuda) {
+    Require(lib, "cuFuncSetAttribute", &api->func_set_attribute);
+    Require(lib, "cuGetErrorString", &api->cu_error_string);
+  } else {
+    Require(lib, "hipGetErrorString", &api->hip_error_string);
+  }
+  api_ = api.release();
+  Check(api_->init(0), "initializing the GPU driver");
+}
+
+const Driver& Driver::Get(Platform platform) {
+  static std::mutex mu;
+  static std::map<Platform, const Driver*> drivers;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = drivers.find(platform);
+  if (it == drivers.end()) it = drivers.emplace(platform, new Driver(platform)).first;
+  return *it->second;
+}
+
+void Driver::Check(int status, const char* what) const {
+  if (status == 0) return;
+  const char* message = nullptr;
+  if (api_->cu_error_string != nullptr) {
+    api_->cu_error_string(status, &message);
+  } else if (api_->hip_error_string != nullptr) {
+    message = api_->hip_error_string(status);
+  }
+  throw std::runtime_error(std::string("jaxfuse: ") + what + " failed: " +
+                           (message ? message : "error " + std::to_string(status)));
+}
+
+void* Driver::PrimaryContext(int ordinal) const {
+  std::lock_guard<std::mutex> lock(api_->mu);
+  auto it = api_->contexts.find(ordinal);
+  if (it != api_->contexts.end()) return it->second;
+  int device = 0;
+  Check(api_->device_get(&device, ordinal), "looking up the device");
+  Handle context = nullptr;
+  // Retained once per device and never released: XLA shares this context.
+  Check(api_->primary_ctx_retain(&context, device), "retaining the device's primary context");
+  api_->contexts[ordinal] = context;
+  return context;
+}
+
+std::string Driver::DeviceName(int ordinal) const {
+  int device = 0;
+  Check(api_->device_get(&device, ordinal), "looking up the device");
+  char name[256] = {0};
+  Check(api_->device_name(name, sizeof(name) - 1, device), "reading the device name");
+  return name;
+}
+
+DeviceInfo Driver::Query(int ordinal) const {
+  DeviceInfo info;
+  int device = 0;
+  Check(api_->device_get(&device, ordinal), "looking up the device");
+  if (platform_ == Platform::kRocm) {
+    // HIP's attribute numbering differs between releases; Python registers the facts.
+    std::lock_guard<std::mutex> lock(api_->mu);
+    auto it = api_->registered.find(ordinal);
+    if (it == api_->registered.end()) {
+      throw std::runtime_error("jaxfuse: ROCm device " + std::to_string(ordinal) +
+                               " is not registered; compile a plan for it first");
+    }
+    return it->second;
+  }
+  int major = 0, minor = 0;
+  Check(api_->device_attribute(&major, kCuAttrCcMajor, device), "reading the compute capability");
+  Check(api_->device_attribute(&minor, kCuAttrCcMinor, device), "reading the compute capability");
+  Check(api_->device_attribute(&info.sm_count, kCuAttrSmCount, device),
+        "reading the multiprocessor count");
+  Check(api_->device_attribute(&info.max_smem_per_block, kCuAttrSmemOptin, device),
+        "reading the shared-memory limit");
+  info.arch = "sm_" + std::to_string(major * 10 + minor);
+  return info;
+}
+
+void Driver::Register(int ordinal, const DeviceInfo& info) const {
+  std::lock_guard<std::mutex> lock(api_->mu);
+  api_->registered[ordinal] = info;
+}
+
+std::vector<void*> Driver::Load(int ordinal, const std::string& binary,
+                                const std::vector<EntryPoint>& entries) const {
+  Handle context = PrimaryContext(ordinal);
+  Check(api_->ctx_push(context), "activating the device's context");
+  std::vector<void*> functions;
+  try {
+    Handle module = nullptr;  // kept loaded for the life of the process
+    Check(api_->module_load_data(&module, binary.data()), "loading the compiled kernel");
+    for (const EntryPoint& entry : entries) {
+      Handle function = nullptr;
+      Check(api_->module_get_function(&function, module, entry.name.c_str()),
+            "finding the kernel entry point");
+      if (entry.shared_bytes > 48 * 1024 && api_->func_set_attribute != nullptr) {
+        Check(api_->func_set_attribute(function, kCuFuncAttrMaxDynamicSmem,
+                                       static_cast<int>(entry.shared_bytes)),
+              "raising the kernel's shared-memory limit");
+      }
+      functions.push_back(function);
+    }
+  } catch (...) {
+    Handle ignored = nullptr;
+    api_->ctx_pop(&ignored);
+    throw;
+  }
+  Handle ignored = nullptr;
+  api_->ctx_pop(&ignored);
+  return functions;
+}
+
+void Driver::Memset(void* device_ptr, unsigned char value, size_t bytes, void* stream) const {
+  Check(api_->memset_d8_async(device_ptr, value, bytes, stream), "poisoning the output");
+}
+
+void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
+                    const FusedParams& params) const {
+  FusedParams copy = params;
+  void* args[] = {&copy};
+  Check(api_->launch(function, entry.grid, 1, 1, entry.block, 1, 1, entry.shared_bytes, stream,
+                     args, nullptr),
+        "launching the fused kernel");
+}
+
+}  // namespace jaxfuse::gpu

@@ -1,0 +1,74 @@
+// The GPU runtime, loaded at run time: the CUDA driver API (libcuda) or HIP (libamdhip64),
+// and the matching runtime compiler (NVRTC or hiprtc). One table of function pointers per
+// platform; nothing here is linked, so the extension imports on machines without a GPU.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "gpu/codegen.h"
+#include "kernels/params.h"
+
+namespace jaxfuse::gpu {
+
+enum class Platform { kCuda = 0, kRocm = 1 };
+const char* PlatformName(Platform platform);
+
+// Extra places to look for the runtime compiler (e.g. the NVRTC wheel jax's CUDA plugin
+// installs); tried before the system's default search. Set once, from Python, at import.
+void SetCompilerSearchPaths(const std::vector<std::string>& paths);
+
+class RuntimeCompiler {
+ public:
+  // The compiler for `platform`, loaded on first use. Throws std::runtime_error naming every
+  // path it tried when none loads.
+  static const RuntimeCompiler& Get(Platform platform);
+
+  const std::string& version() const { return version_; }    // e.g. "nvrtc 13.0"
+  const std::string& library() const { return library_; }    // the path it was loaded from
+
+  // Compiles `source` for `arch` with the embedded kernel headers. Returns the device binary
+  // (a cubin / code object); on failure throws std::runtime_error carrying the compiler log.
+  std::string Compile(const std::string& source, const std::string& arch) const;
+
+ private:
+  explicit RuntimeCompiler(Platform platform);
+  struct Api;
+  Platform platform_;
+  const Api* api_ = nullptr;
+  std::string version_, library_;
+};
+
+class Driver {
+ public:
+  // The driver for `platform`, initialized on first use; throws std::runtime_error if the
+  // runtime library is missing or finds no device.
+  static const Driver& Get(Platform platform);
+
+  DeviceInfo Query(int ordinal) const;
+  // Records device facts the driver cannot report portably (HIP's architecture name).
+  void Register(int ordinal, const DeviceInfo& info) const;
+  std::string DeviceName(int ordinal) const;
+
+  // Loads `binary` into the primary context of device `ordinal` and returns the function
+  // handle of each entry point (in `entries` order).
+  std::vector<void*> Load(int ordinal, const std::string& binary,
+                          const std::vector<EntryPoint>& entries) const;
+
+  // Fills `bytes` bytes at `device_ptr` with `value`, in order on `stream`.
+  void Memset(void* device_ptr, unsigned char value, size_t bytes, void* stream) const;
+
+  // Launches `function` on `stream` with `params` as its only argument.
+  void Launch(void* function, const EntryPoint& entry, void* stream,
+              const FusedParams& params) const;
+
+ private:
+  explicit Driver(Platform platform);
+  struct Api;
+  void Check(int status, const char* what) const;
+  void* PrimaryContext(int ordinal) const;
+  Platform platform_;
+  const Api* api_ = nullptr;
+};
+
+}  // namespace jaxfuse::gpu

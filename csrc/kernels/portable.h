@@ -1,0 +1,96 @@
+// Portability layer for the runtime-compiled GPU kernels: one source for CUDA (NVRTC) and HIP
+// (hiprtc). Everything that differs between the two lives here: integer types (runtime
+// compilers ship no standard headers), warp size, 16-bit float conversions and the vector
+// load types. Kernels include only this, params.h, epilogue.h and their own file.
+#pragma once
+
+#if defined(__HIPCC_RTC__) || defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
+#define JF_HIP 1
+#endif
+
+#define JF_DEVICE __device__ __forceinline__
+#define JF_RESTRICT __restrict__
+
+namespace jaxfuse {
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#ifdef JF_HIP
+constexpr int kWarpSize = 64;
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// 16 bytes, the widest single load or store a thread issues.
+struct alignas(16) Vec16 {
+  u32 v[4];
+};
+
+JF_DEVICE float bits_to_float(u32 u) { return __uint_as_float(u); }
+JF_DEVICE u32 float_to_bits(float f) { return __float_as_uint(f); }
+
+// bfloat16 <-> float32, round to nearest even (NaN kept quiet).
+JF_DEVICE float bf16_to_float(u16 h) { return bits_to_float(u32(h) << 16); }
+JF_DEVICE u16 float_to_bf16(float f) {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
+  u32 u = float_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return u16((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u16(u >> 16);
+#endif
+}
+
+// float16 <-> float32 through the hardware conversion instructions.
+JF_DEVICE float half_to_float(u16 h) {
+#ifdef JF_HIP
+  return float(__builtin_bit_cast(_Float16, h));
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+JF_DEVICE u16 float_to_half(float f) {
+#ifdef JF_HIP
+  return __builtin_bit_cast(u16, _Float16(f));
+#else
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+
+// Storage type and conversions for each plan dtype (0 = f32, 1 = f16, 2 = bf16; the numbering
+// of jaxfuse::DType on the host).
+template <int Code>
+struct Storage;
+template <>
+struct Storage<0> {
+  typedef float type;
+  static JF_DEVICE float load(float v) { return v; }
+  static JF_DEVICE float store(float v) { return v; }
+};
+template <>
+struct Storage<1> {
+  typedef u16 type;
+  static JF_DEVICE float load(u16 v) { return half_to_float(v); }
+  static JF_DEVICE u16 store(float v) { return float_to_half(v); }
+};
+template <>
+struct Storage<2> {
+  typedef u16 type;
+  static JF_DEVICE float load(u16 v) { return bf16_to_float(v); }
+  static JF_DEVICE u16 store(float v) { return float_to_bf16(v); }
+};
+
+JF_DEVICE i64 global_thread_index() { return i64(blockIdx.x) * blockDim.x + threadIdx.x; }
+JF_DEVICE i64 global_thread_count() { return i64(gridDim.x) * blockDim.x; }
+
+}  // namespace jaxfuse

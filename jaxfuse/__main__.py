@@ -1,0 +1,97 @@
+"""``python -m jaxfuse info``: what jaxfuse finds on this machine.
+
+Reports the jax version, the backends and devices jax sees, the runtime compiler the GPU backend
+would use (and its version), the kernel cache directory and the compiled kernels in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import jax
+import jaxlib
+
+from . import __version__, runtime
+from ._extension import extension
+
+
+def _backends() -> list[str]:
+    lines = []
+    for platform in ("cpu", "gpu", "tpu"):
+        try:
+            devices = jax.devices(platform)
+        except RuntimeError:
+            continue
+        for d in devices:
+            extra = ""
+            if d.platform == "gpu":
+                extra = f" [{runtime.gpu_platform(d)}, {getattr(d, 'compute_capability', '?')}]"
+            lines.append(f"{d.platform}:{d.id} {d.device_kind}{extra}")
+    return lines
+
+
+def _compilers(ext: Any) -> list[str]:
+    lines = []
+    for platform, name in (("CUDA", "NVRTC"), ("ROCM", "hiprtc")):
+        try:
+            info = ext.gpu_compiler(platform)
+            lines.append(f"{platform}: {info['version']} ({info['library']})")
+        except RuntimeError as err:
+            first = str(err).splitlines()[0]
+            lines.append(f"{platform}: no {name} ({first})")
+    return lines
+
+
+def _describe_key(key: str) -> str:
+    """One line for a cache key: platform, arch, compiler, solver and the plan's main facts."""
+    parts = key.split("|")
+    if len(parts) < 7:
+        return key
+    platform, arch, compiler, solver, plan = parts[1], parts[2], parts[3], parts[5], parts[6]
+    fields = dict(f.split("=", 1) for f in plan.split(";")[1:] if "=" in f)
+    conv = fields.get("conv", "")
+    geometry = ""
+    if conv:
+        c = conv.split(",")
+        geometry = f" {c[1]}x{c[2]}/{c[3]} ->{c[0]}" + (f" g{c[11]}" if c[11] != "1" else "")
+    return (f"{platform} {arch} {compiler:<12} {solver:<14} {fields.get('ops', '?'):<6} "
+            f"{fields.get('dtype', '?'):<4} {fields.get('layout', '?')} "
+            f"in={fields.get('in', '?')}{geometry}")
+
+
+def info(out: Any = sys.stdout) -> None:
+    """Prints the report."""
+    ext = extension()
+    cache = ext.gpu_cache()
+    print(f"jaxfuse {__version__}   jax {jax.__version__}   jaxlib {jaxlib.__version__}", file=out)
+    print("devices:", file=out)
+    for line in _backends() or ["(none)"]:
+        print(f"  {line}", file=out)
+    print(f"CPU kernel threads: {ext.cpu_threads()}", file=out)
+    print("runtime compilers:", file=out)
+    for line in _compilers(ext):
+        print(f"  {line}", file=out)
+    directory = cache["directory"] or "(disk cache off: JAXFUSE_CACHE_DIR is empty)"
+    print(f"kernel cache: {directory}", file=out)
+    if cache["problem"]:
+        print(f"  not used: {cache['problem']}", file=out)
+    keys = sorted(cache["keys"])
+    print(f"  {len(keys)} compiled kernel(s)", file=out)
+    for key in keys:
+        print(f"  {_describe_key(key)}", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxfuse", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="report versions, devices, the runtime compiler and the cache")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        info()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+"""Benchmarks: fused plans against ``jax.jit`` of the unfused composition (``python -m
+jaxfuse.bench``), with the roofline floor from ceilings measured in the same run."""

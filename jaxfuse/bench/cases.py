@@ -1,0 +1,122 @@
+"""One benchmark case: a layer's fused plan and the same composition as plain jax code."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..args import OperatorArgs
+from ..descriptors import ConvDesc, TensorDesc
+from ..plan import FusionPlan
+from .layers import Layer
+
+__all__ = ["BenchCase"]
+
+EPSILON = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    layer: Layer
+    n: int
+    dtype: str
+    layout: str
+    ops: str  # "CBNA", "CBA", "NA", ...
+
+    @property
+    def filter_layout(self) -> str:
+        return "HWIO" if self.layout == "NHWC" else "OIHW"
+
+    def shape(self, c: int, hw: int) -> tuple[int, ...]:
+        return (self.n, c, hw, hw) if self.layout == "NCHW" else (self.n, hw, hw, c)
+
+    def filter_shape(self) -> tuple[int, ...]:
+        L = self.layer
+        ci = L.c // L.groups
+        return (L.r, L.r, ci, L.k) if self.filter_layout == "HWIO" else (L.k, ci, L.r, L.r)
+
+    def label(self) -> str:
+        return f"{self.layer.name} N={self.n} {self.dtype} {self.layout} {self.ops}"
+
+    def plan(self, device: Any) -> tuple[FusionPlan, dict[str, Any]]:
+        L = self.layer
+        plan = FusionPlan(TensorDesc(self.shape(L.c, L.hw), self.dtype, self.layout))
+        ops: dict[str, Any] = {}
+        for letter in self.ops:
+            if letter == "C":
+                conv = ConvDesc(L.stride, L.pad, 1, L.groups)
+                ops["C"] = plan.add_conv_forward(
+                    conv, TensorDesc(self.filter_shape(), self.dtype, self.filter_layout))
+            elif letter == "B":
+                ops["B"] = plan.add_bias_forward(TensorDesc((L.k,), "float32"))
+            elif letter == "N":
+                ops["N"] = plan.add_batchnorm_inference("spatial")
+            elif letter == "A":
+                ops["A"] = plan.add_activation_forward("relu")
+        plan.compile(device)
+        return plan, ops
+
+    def arg_sets(self, count: int, device: Any, seed: int = 0) -> list[tuple[Any, ...]]:
+        """`count` distinct (x, w, bias, scale, shift, mean, var) sets on `device`."""
+        L = self.layer
+        rng = np.random.default_rng(seed)
+        sets = []
+        for _ in range(count):
+            x = rng.standard_normal(self.shape(L.c, L.hw), np.float32)
+            fan_in = max(1, (L.c // L.groups) * L.r * L.r)
+            w = rng.standard_normal(self.filter_shape(), np.float32) / np.sqrt(fan_in)
+            b, shift, mean = (rng.standard_normal(L.k, np.float32) * 0.1 for _ in range(3))
+            scale = rng.uniform(0.5, 1.5, L.k).astype(np.float32)
+            var = rng.uniform(0.5, 2.0, L.k).astype(np.float32)
+            arrays = (x.astype(self.dtype), w.astype(self.dtype), b, scale, shift, mean, var)
+            sets.append(tuple(jax.device_put(a, device) for a in arrays))
+        return sets
+
+    def fused(self, plan: FusionPlan, ops: dict[str, Any]) -> Callable[..., Any]:
+        def run(x, w, b, scale, shift, mean, var):
+            args = OperatorArgs()
+            if "C" in ops:
+                args.set_conv_forward(ops["C"], w)
+            if "B" in ops:
+                args.set_bias_forward(ops["B"], b)
+            if "N" in ops:
+                args.set_batchnorm_inference(ops["N"], scale, shift, mean, var, EPSILON)
+            if "A" in ops:
+                args.set_activation_forward(ops["A"])
+            return plan.execute(x, args)
+        return run
+
+    def unfused(self) -> Callable[..., Any]:
+        """The chain as a user writes it in jax, in the data dtype (XLA fuses what it can)."""
+        L = self.layer
+        dt = jnp.dtype(self.dtype)
+        channel_axis = 1 if self.layout == "NCHW" else 3
+        shape = [1, 1, 1, 1]
+        shape[channel_axis] = L.k
+
+        def per_channel(v):
+            return v.astype(dt).reshape(shape)
+
+        def run(x, w, b, scale, shift, mean, var):
+            y = x
+            for letter in self.ops:
+                if letter == "C":
+                    y = lax.conv_general_dilated(
+                        y, w, (L.stride, L.stride), [(L.pad, L.pad)] * 2,
+                        dimension_numbers=(self.layout, self.filter_layout, self.layout),
+                        feature_group_count=L.groups)
+                elif letter == "B":
+                    y = y + per_channel(b)
+                elif letter == "N":
+                    inv = per_channel(scale * lax.rsqrt(var + EPSILON))
+                    y = (y - per_channel(mean)) * inv + per_channel(shift)
+                elif letter == "A":
+                    y = jax.nn.relu(y)
+            return y
+        return run

@@ -1,0 +1,73 @@
+"""The benchmark suites: layer shapes and the fused chain each one runs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["SUITES", "Layer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One convolution layer (or, with ``r == 0``, a conv-less batch-norm + activation)."""
+
+    name: str
+    c: int
+    k: int
+    hw: int
+    r: int = 1
+    stride: int = 1
+    pad: int = 0
+    groups: int = 1
+
+    @property
+    def has_conv(self) -> bool:
+        return self.r > 0
+
+    def out_hw(self) -> int:
+        if not self.has_conv:
+            return self.hw
+        return (self.hw + 2 * self.pad - self.r) // self.stride + 1
+
+    def flops(self, n: int) -> int:
+        if not self.has_conv:
+            return 0
+        return 2 * n * self.k * self.out_hw() ** 2 * (self.c // self.groups) * self.r * self.r
+
+    def min_bytes(self, n: int, itemsize: int) -> int:
+        """Each input read once, the output written once (parameters are negligible)."""
+        x = n * self.c * self.hw * self.hw
+        y = n * self.k * self.out_hw() ** 2
+        w = self.k * (self.c // self.groups) * self.r * self.r if self.has_conv else 0
+        return (x + y + w) * itemsize
+
+
+# ResNet-50's distinct convolution shapes (the ones ../shared/perf measured).
+RESNET50 = [
+    Layer("r50_conv1_7x7s2", 3, 64, 224, 7, 2, 3),
+    Layer("r50_l1_1x1_64", 64, 64, 56),
+    Layer("r50_l1_3x3_64", 64, 64, 56, 3, 1, 1),
+    Layer("r50_l1_1x1_256", 64, 256, 56),
+    Layer("r50_l2_3x3_128", 128, 128, 28, 3, 1, 1),
+    Layer("r50_l3_3x3_256", 256, 256, 14, 3, 1, 1),
+    Layer("r50_l4_3x3_512", 512, 512, 7, 3, 1, 1),
+    Layer("r50_l4_1x1_2048", 512, 2048, 7),
+]
+
+# MobileNet (v1/v2-style) depthwise 3x3 layers.
+MOBILENET = [
+    Layer("mb_dw_112_32", 32, 32, 112, 3, 1, 1, 32),
+    Layer("mb_dw_56_128s2", 128, 128, 112, 3, 2, 1, 128),
+    Layer("mb_dw_28_256", 256, 256, 28, 3, 1, 1, 256),
+    Layer("mb_dw_14_512", 512, 512, 14, 3, 1, 1, 512),
+    Layer("mb_dw_7_1024", 1024, 1024, 7, 3, 1, 1, 1024),
+]
+
+# Batch norm + activation without a convolution (MIOpen's NA fusion).
+NA = [
+    Layer("NA_C64_H112", 64, 64, 112, 0),
+    Layer("NA_C256_H56", 256, 256, 56, 0),
+    Layer("NA_C1024_H14", 1024, 1024, 14, 0),
+]
+
+SUITES = {"resnet50": RESNET50, "mobilenet": MOBILENET, "na": NA}

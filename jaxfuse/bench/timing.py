@@ -1,0 +1,81 @@
+"""Per-op timing of jitted functions.
+
+Two measures, both from K distinct input sets run inside ONE ``jax.jit`` (a list comprehension,
+so the K ops are straight-line code and no input stays cached between them):
+
+- wall: call time after warm-up divided by K, median over repeats (the method of
+  ``shared/perf``; per-argument dispatch is included once per call);
+- device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
+  divided by K, median over calls; launch gaps and host work excluded. GPU only.
+"""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["batched", "device_time_per_op", "wall_time_per_op"]
+
+
+def batched(fn: Callable[..., Any]) -> Callable[[Sequence[Sequence[Any]]], Any]:
+    """``jit(lambda sets: [fn(*s) for s in sets])``: K ops in one program."""
+    return jax.jit(lambda sets: [fn(*s) for s in sets])
+
+
+def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
+                     repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall seconds per op of ``many(arg_sets)`` (see module docstring)."""
+    for _ in range(warmup):
+        jax.block_until_ready(many(arg_sets))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(many(arg_sets))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / len(arg_sets)
+
+
+def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
+                       calls: int = 5) -> float | None:
+    """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(many(arg_sets))
+    with tempfile.TemporaryDirectory() as folder:
+        marks = []
+        with jax.profiler.trace(folder):
+            for _ in range(calls):
+                start = time.perf_counter_ns()
+                jax.block_until_ready(many(arg_sets))
+                marks.append((start, time.perf_counter_ns()))
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return None
+        data = ProfileData.from_file(files[0])
+        kernels = []
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them.
+                if line.name.startswith("Stream"):
+                    kernels += [(e.start_ns, e.duration_ns) for e in line.events]
+    if not kernels:
+        return None
+    kernels.sort()
+    # Split the kernels into calls at the largest gaps between them (the host syncs).
+    if calls > 1 and len(kernels) >= calls:
+        gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] -
+                      (kernels[i - 1][0] + kernels[i - 1][1]), reverse=True)[:calls - 1]
+        bounds = [0, *sorted(gaps), len(kernels)]
+        per_call = [sum(d for _, d in kernels[a:b]) for a, b in itertools.pairwise(bounds)]
+    else:
+        per_call = [sum(d for _, d in kernels) / calls]
+    return statistics.median(per_call) * 1e-9 / len(arg_sets)

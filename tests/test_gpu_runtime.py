@@ -1,0 +1,75 @@
+"""The GPU backend's runtime machinery on a real device (marked gpu; skipped without one):
+kernels compiled once and reused from the disk cache by a second process, CUDA graphs, and
+`python -m jaxfuse info` listing what was compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# A child process compiles one plan and reports the backend's counters.
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case
+    import jaxfuse as jf
+    from jaxfuse._extension import extension
+    err = run_case(Case(ops="CBNA", c=16, k=24, h=12, w=12, layout="NHWC",
+                        filter_layout="HWIO", dtype="float16"), jax.devices("gpu")[0])
+    print(json.dumps({{"stats": extension().gpu_stats(), "error": err}}))
+""")
+
+
+def _child(cache_dir: str, extra_env: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, **(extra_env or {})}
+    code = _CHILD.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_reuses_the_disk_cache(tmp_path) -> None:
+    first = _child(str(tmp_path))
+    assert first["stats"]["compilations"] == 1 and first["stats"]["disk_hits"] == 0
+    second = _child(str(tmp_path))
+    assert second["stats"]["compilations"] == 0 and second["stats"]["disk_hits"] == 1
+
+
+def test_memory_only_cache(tmp_path) -> None:
+    stats = _child("")["stats"]
+    assert stats["compilations"] == 1 and stats["disk_hits"] == 0
+
+
+def test_corrupted_cache_file_is_rebuilt(tmp_path) -> None:
+    _child(str(tmp_path))
+    (entry,) = list((tmp_path / "kernels").glob("*.jfk"))
+    entry.write_bytes(entry.read_bytes()[:-100])  # truncated
+    stats = _child(str(tmp_path))["stats"]
+    assert stats["compilations"] == 1 and stats["disk_hits"] == 0
+    assert _child(str(tmp_path))["stats"]["disk_hits"] == 1
+
+
+def test_under_cuda_graphs(tmp_path) -> None:
+    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+             "--xla_gpu_graph_min_graph_size=1")
+    out = _child(str(tmp_path), {"XLA_FLAGS": flags})
+    assert out["error"] < 1e-2
+
+
+def test_info_lists_compiled_kernels(tmp_path) -> None:
+    _child(str(tmp_path))
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "jaxfuse", "info"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "1 compiled kernel(s)" in done.stdout
+    assert "CBNA" in done.stdout and "nvrtc" in done.stdout
