@@ -198,3 +198,26 @@ def test_gspmd_partitioner(devices) -> None:
         test_sharded_operands_run_per_shard(*SHARDED_CASES[3].values, devices)
     finally:
         jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def test_inside_shard_map(devices) -> None:
+    # Inside shard_map the program is per shard already: the plan describes one shard and
+    # lowers straight to the FFI call.
+    case = Case(ops="CBNA", n=2, activation="tanh")  # one shard's batch
+    plan, handles, x, params = build(case)
+    mesh = _mesh(devices)
+    pieces = [x * (i + 1) * (-1) ** i for i in range(mesh.shape["data"])]
+    xs = jax.device_put(jnp.concatenate(pieces), NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def fn(x, p):
+        return jax.shard_map(lambda x, p: execute(plan, handles, x, p), mesh=mesh,
+                             in_specs=(P("data"), P()), out_specs=P("data"))(x, p)
+
+    out = fn(xs, params)
+    single = jax.jit(lambda x: execute(plan, handles, x, params))
+    want = jnp.concatenate([single(v) for v in pieces])
+    assert relative_tree_error(out, want) <= case.tolerance(devices[0])
+    text = fn.lower(xs, params).compile().as_text()
+    assert "CustomSPMDPartitioning" not in text
+    assert not [c for c in COLLECTIVES if c in text]

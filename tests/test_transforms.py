@@ -111,6 +111,20 @@ def test_derivatives_agree_with_finite_differences() -> None:
                 modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
 
 
+def test_second_order_derivatives() -> None:
+    # The jvp rule's primal is the differentiable fused op itself, so derivatives nest.
+    case = Case(ops="CBNA", activation="elu", n=1, c=2, h=4, w=4, k=3)
+    plan, handles, x, params = build(case)
+
+    def hessian(fn):
+        return jax.jit(jax.hessian(lambda x: jnp.sum(fn(x, params) ** 3)))(x)
+
+    got = hessian(lambda x, p: execute(plan, handles, x, p))
+    want = hessian(lambda x, p: nn_reference(case, x, p))
+    assert got.shape == 2 * x.shape
+    assert relative_tree_error(got, want) <= case.tolerance(jax.devices()[0])
+
+
 KINKS = {  # activation -> (alpha, beta, gamma), inputs at and around its kinks (or 0)
     "relu": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0]),
     "leaky_relu": ((0.2, 0.0, 0.0), [0.0, -1.0, 1.0]),
@@ -206,6 +220,7 @@ VMAP_CASES = [  # (case, batched operands with their axes, out_axes, expected st
     (Case(ops="NA", bn_mode="per_activation", activation="tanh", **SMALL),
      {"x": 0, "mean": 1}, 0, "channels"),
     (Case(ops="BA", layout="NHWC", **SMALL), {"bias": 0}, 4, "channels"),
+    (Case(ops="CSBA", activation="abs", **SMALL), {"w": 1, "side": 0}, 0, "channels"),
     (Case(ops="CBA", activation="leaky_relu", **SMALL), {"act_alpha": 0}, 0, "loop"),
     (Case(ops="CBNSA", activation="power", **SMALL),
      {"x": 0, "w": 0, "epsilon": 0, "side_alpha": 0}, 0, "loop"),
@@ -294,21 +309,32 @@ def test_inside_scan(layer) -> None:
     assert sums.shape == (3,)
 
 
-def test_inside_checkpoint_and_cond(layer) -> None:
+def test_inside_checkpoint(layer) -> None:
+    case, fn, x, params = layer
+
+    def loss(fn):
+        return lambda x, p: jnp.sum(fn(jax.checkpoint(fn)(x, p), p) ** 2)
+
+    got = jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(x, params)
+    ref = loss(lambda x, p: nn_reference(case, x, p))
+    want = jax.jit(jax.grad(ref, argnums=(0, 1)))(x, params)
+    assert relative_tree_error(got, want) <= case.tolerance(jax.devices()[0])
+
+
+def test_inside_cond(layer) -> None:
     case, fn, x, params = layer
 
     def loss(x, p, flag):
-        y = jax.checkpoint(fn)(x, p)
-        y = jax.lax.cond(flag, lambda y: fn(y, p), lambda y: y * 2.0, y)
+        y = jax.lax.cond(flag, lambda y: fn(y, p), lambda y: y * 2.0, fn(x, p))
         return jnp.sum(y ** 2)
 
-    def ref_loss(x, p, flag):
+    def ref_loss(x, p, flag):  # Python control flow (flag static) instead of lax.cond
         y = nn_reference(case, x, p)
-        y = jax.lax.cond(flag, lambda y: nn_reference(case, y, p), lambda y: y * 2.0, y)
-        return jnp.sum(y ** 2)
+        return jnp.sum((nn_reference(case, y, p) if flag else y * 2.0) ** 2)
 
-    grad, ref_grad = (jax.jit(jax.grad(f, argnums=(0, 1))) for f in (loss, ref_loss))
-    for flag in (True, False):  # one compilation each: the flag is traced
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))  # one compilation: the flag is traced
+    ref_grad = jax.jit(jax.grad(ref_loss, argnums=(0, 1)), static_argnums=2)
+    for flag in (True, False):
         got, want = grad(x, params, flag), ref_grad(x, params, flag)
         assert relative_tree_error(got, want) <= case.tolerance(jax.devices()[0])
 

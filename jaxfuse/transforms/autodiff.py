@@ -6,7 +6,10 @@ activation with jax.nn's conventions at kinks). A ``custom_jvp`` is enough for r
 too: JAX linearizes and transposes the unfused tangent computation, which is linear in the
 tangents. Every operand is differentiable: x, filters, bias, batch-norm scale/shift/mean/var,
 side input, and the float32 scalars vector (conv alpha, epsilon, activation alpha/beta/gamma,
-side alpha).
+side alpha). Derivatives nest (hessians), since the rule's primal is the wrapped op itself.
+
+Cost: the backward pass recomputes the pre-activation with XLA ops (the fused kernel keeps
+no intermediates) and runs the transposed convolutions as XLA ops; nothing of it is fused.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def with_unfused_derivative(bind: Bind) -> Bind:
     @fused.defjvp
     def _jvp(signature: PlanSignature, primals: tuple[Any, ...],
              tangents: tuple[Any, ...]) -> tuple[jax.Array, jax.Array]:
-        out = bind(signature, *primals)
+        out = fused(signature, *primals)  # itself differentiable: higher orders work too
         # The unfused primal is dead code (XLA removes what the tangent does not need, e.g. the
         # conv itself when the chain has no activation).
         definition = functools.partial(unfused, signature, out_sharding=_sharding_type(out))
