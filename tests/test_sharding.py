@@ -192,7 +192,9 @@ def test_export_of_a_sharded_function(devices) -> None:
 
 def test_gspmd_partitioner(devices) -> None:
     # The same rule through the older GSPMD partitioner (sharding callbacks, not Shardy).
-    previous = jax.config.jax_use_shardy_partitioner
+    previous = getattr(jax.config, "jax_use_shardy_partitioner", None)
+    if previous is None:
+        pytest.skip("this jax has no GSPMD partitioner to switch to")
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
         test_sharded_operands_run_per_shard(*SHARDED_CASES[3].values, devices)

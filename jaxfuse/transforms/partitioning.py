@@ -25,7 +25,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental.custom_partitioning import custom_partitioning
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    CompoundFactor,
+    SdyShardingRule,
+    custom_partitioning,
+)
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -46,32 +51,42 @@ def _ffi_call(signature: PlanSignature, *operands: Any) -> jax.Array:
 
 
 # ----- which factor each dimension of each operand carries ---------------------------------------
+Dim = str | tuple[str, str]  # one factor, or a compound (major, minor) such as ("g", "ko")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Factors:
-    """The chain's dimensions as sharding-rule factors (einsum-like names, one per dim)."""
+    """The chain's dimensions as sharding-rule factors (one factor or compound per dim)."""
 
-    operands: tuple[tuple[str, ...], ...]  # per operand, per dim: "n", "k", "(g ko)", ...
-    result: tuple[str, ...]
-    shardable: tuple[str, ...]  # factors a shard may split, in priority order
+    operands: tuple[tuple[Dim, ...], ...]  # per operand, per dim
+    result: tuple[Dim, ...]
+    shardable: tuple[str, ...]  # factors a shard may split
     sizes: dict[str, int]  # every shardable factor's size, and compound factors' parts
 
-    def rule(self) -> tuple[str, dict[str, Any]]:
-        """The Shardy sharding rule: an einsum-like string and its keyword arguments."""
-        text = ", ".join(" ".join(dims) for dims in self.operands) + " -> " + \
-            " ".join(self.result)
+    def rule(self) -> SdyShardingRule:
+        """The Shardy sharding rule: everything not shardable needs replication."""
+        values = (*self.operands, self.result)
         # Shardy wants special factors in the order the factors first appear.
-        names = dict.fromkeys(part for dims in (*self.operands, self.result) for d in dims
-                              for part in d.strip("()").split())
+        names = dict.fromkeys(part for dims in values for d in dims for part in _parts(d))
         replicated = tuple(n for n in names if n not in self.shardable)
         # Sizes are given exactly for the factors that never form a whole dimension.
-        whole = {d for dims in (*self.operands, self.result) for d in dims}
+        whole = {d for dims in values for d in dims if isinstance(d, str)}
         sizes = {n: self.sizes[n] for n in names if n not in whole}
-        return text, {"need_replication_factors": replicated, **sizes}
+
+        def mapping(dims: tuple[Dim, ...]) -> ArrayMapping:
+            return ArrayMapping(*(d if isinstance(d, str) else CompoundFactor(*d) for d in dims))
+
+        return SdyShardingRule(tuple(map(mapping, self.operands)), (mapping(self.result),),
+                               need_replication_factors=replicated, **sizes)
 
 
-def _major(dim: str) -> str:
-    """The factor that shards a dimension: itself, or the major part of a compound "(g ko)"."""
-    return dim.strip("()").split()[0]
+def _parts(dim: Dim) -> tuple[str, ...]:
+    return (dim,) if isinstance(dim, str) else dim
+
+
+def _major(dim: Dim) -> str:
+    """The factor that shards a dimension: itself, or the major part of a compound."""
+    return _parts(dim)[0]
 
 
 def chain_factors(sig: PlanSignature) -> _Factors:
@@ -91,18 +106,18 @@ def chain_factors(sig: PlanSignature) -> _Factors:
     else:  # whole groups shard, input and output channels together
         per_group_in, per_group_out = sig.channels // conv.groups, k // conv.groups
         # Shardy rejects size-1 parts of a compound dimension (depthwise: one channel a group).
-        c_in = "(g ci)" if per_group_in > 1 else "g"
-        c_out = "(g ko)" if per_group_out > 1 else "g"
+        c_in = ("g", "ci") if per_group_in > 1 else "g"
+        c_out = ("g", "ko") if per_group_out > 1 else "g"
         c_filter = "ci"
         spatial_in, spatial_out = ("h", "w"), ("oh", "ow")
         shardable = ("n", "g")
         sizes = {"n": sig.batch, "g": conv.groups, "ci": per_group_in, "ko": per_group_out}
 
-    def image(c: str, spatial: tuple[str, str]) -> tuple[str, ...]:
+    def image(c: Dim, spatial: tuple[str, str]) -> tuple[Dim, ...]:
         return ("n", c, *spatial) if sig.layout == "NCHW" else ("n", *spatial, c)
 
     per_sample = (c_out, *spatial_out) if sig.layout == "NCHW" else (*spatial_out, c_out)
-    by_name: dict[str, tuple[str, ...]] = {
+    by_name: dict[str, tuple[Dim, ...]] = {
         "x": image(c_in, spatial_in),
         "bias": (c_out,),
         "side": image(c_out, spatial_out),
@@ -164,7 +179,7 @@ def _choose_axes(factors: _Factors, mesh_shape: Mapping[str, int],
     return chosen
 
 
-def _spec(dims: tuple[str, ...], chosen: dict[str, tuple[str, ...]]) -> PartitionSpec:
+def _spec(dims: tuple[Dim, ...], chosen: dict[str, tuple[str, ...]]) -> PartitionSpec:
     entries = []
     for dim in dims:
         axes = chosen.get(_major(dim), ())
@@ -217,7 +232,7 @@ def _infer_sharding_from_operands(sig: PlanSignature, mesh: Mesh, arg_shapes: Se
 
 
 def _sharding_rule(sig: PlanSignature, mesh: Mesh, operand_types: Any,
-                   result_types: Any) -> tuple[str, dict[str, Any]]:
+                   result_types: Any) -> SdyShardingRule:
     return chain_factors(sig).rule()
 
 
