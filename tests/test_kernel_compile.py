@@ -46,7 +46,8 @@ VARIANTS = (
     # Tensor-core implicit GEMM: both 16-bit dtypes, both filter layouts it reads, each tile.
     + [Case(ops="CBNSA", dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw)
        for dt in ("float16", "bfloat16") for fl in ("HWIO", "OHWI")
-       for c, k, n, hw in ((16, 24, 1, 9), (64, 64, 8, 28), (64, 256, 64, 28))]
+       for c, k, n, hw in ((16, 24, 1, 9), (64, 64, 8, 28), (64, 256, 64, 28), (128, 128, 2, 14),
+                           (256, 512, 16, 14), (64, 192, 64, 14))]
     # Depthwise, every dtype; pointwise with too many channels for the shared-memory table.
     + [Case(ops="CBNA", dtype=dt, layout="NHWC", filter_layout="HWIO", groups=32, c=32, k=32)
        for dt in ("float32", "float16", "bfloat16")]
@@ -65,6 +66,9 @@ def test_kernel_compiles(case: Case, arch: str) -> None:
         assert out["solver"] == "pointwise"
     elif case.groups == case.c == case.k and case.layout == "NHWC":
         assert out["solver"] == "conv_depthwise"
+    elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 64 == 0 and \
+            arch == "sm_90":
+        assert out["solver"] == "conv_wgmma"
     elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 16 == 0:
         assert out["solver"] == "conv_igemm"
     else:

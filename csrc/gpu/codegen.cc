@@ -184,6 +184,45 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
   return {64, 64, bk, 2, 2, 4, 2};
 }
 
+// ----- Hopper: warpgroup MMA ------------------------------------------------------------------
+
+struct WgmmaTile {
+  int bm, bn, stages, min_blocks;
+  int Threads() const { return bm / 64 * 128; }
+  int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
+    return std::max(stages * (bm + bn) * 128, bm * (bn + 4) * 4) + 1024;
+  }
+};
+
+bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  return IgemmApplies(spec, device) && device.arch == "sm_90" && (spec.c / g.groups) % 64 == 0;
+}
+
+WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  auto ctas = [&](int bm, int bn) {
+    return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
+  };
+  // The widest tile that still occupies every multiprocessor; narrower ones run two or three
+  // CTAs per multiprocessor to hide each other's pipeline bubbles.
+  if (kg >= 256 && ctas(128, 256) >= sms) return {128, 256, 4, 1};
+  if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, 3, 2};
+  if (kg > 64 && ctas(128, 128) >= sms / 2) return {128, 128, 3, 2};
+  if (ctas(128, 64) >= sms) return {128, 64, 4, 2};
+  return {64, 64, 4, 3};
+}
+
+std::string WgmmaConstants(const WgmmaTile& t) {
+  Text s;
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
+    << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
+    << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
+  return s.str();
+}
+
 std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ", kBK = " << t.bk << ";\n"
@@ -194,6 +233,31 @@ std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
 }
 
 }  // namespace
+
+std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
+  const int regs = n / 2;
+  const char* type = dtype == 2 ? "bf16" : "f16";
+  Text s;
+  s << "namespace jaxfuse {\nnamespace wgmma {\n"
+    << "JF_DEVICE void mma_64xNx16(float (&d)[" << regs << "], u64 a, u64 b) {\n"
+    << "  asm volatile(\n"
+    << "      \"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
+    << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32." << type << "." << type
+    << " {\"\n      \"";
+  for (int i = 0; i < regs; ++i) {
+    s << "%" << i << (i + 1 < regs ? ", " : "");
+    if (i % 16 == 15 && i + 1 < regs) s << "\"\n      \"";
+  }
+  // scale-d = p (accumulate), scale-a = scale-b = 1, A K-major, B transposed when MN-major.
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, " << (b_mn_major ? 1 : 0)
+    << ";\\n}\\n\"\n      : ";
+  for (int i = 0; i < regs; ++i) {
+    s << "\"+f\"(d[" << i << "])" << (i + 1 < regs ? ", " : "");
+    if (i % 8 == 7 && i + 1 < regs) s << "\n        ";
+  }
+  s << "\n      : \"l\"(a), \"l\"(b), \"r\"(1));\n}\n}  // namespace wgmma\n}  // namespace jaxfuse\n";
+  return s.str();
+}
 
 GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
   GeneratedKernel out;
@@ -212,6 +276,23 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
     return out;
   }
   const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};
+  if (WgmmaApplies(spec, device)) {
+    const WgmmaTile tile = ChooseWgmmaTile(spec, device);
+    const ConvGeometry& g = spec.conv;
+    const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
+    const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+    const int dtype = spec.dtype == DType::kBF16 ? 2 : 1;
+    out.solver = "conv_wgmma";
+    out.compile_arch = "sm_90a";
+    out.source = TranslationUnit(spec, WgmmaConstants(tile), {}) +
+                 WgmmaFunction(tile.bn, dtype, g.filter_layout == FilterLayout::kHWIO) +
+                 "#include \"conv_wgmma.cuh\"\n#include \"conv_direct.cuh\"\n";
+    out.entries.push_back({"jaxfuse_conv_wgmma", static_cast<unsigned>(blocks),
+                           static_cast<unsigned>(tile.Threads()),
+                           static_cast<unsigned>(tile.SmemBytes()), 16});
+    out.entries.push_back(direct);
+    return out;
+  }
   if (IgemmApplies(spec, device)) {
     const IgemmTile tile = ChooseIgemmTile(spec, device);
     const ConvGeometry& g = spec.conv;

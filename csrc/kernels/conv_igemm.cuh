@@ -1,42 +1,40 @@
-// Implicit-GEMM convolution on tensor cores: fp16/bf16 NHWC activations, fp32 accumulation.
+// Implicit-GEMM convolution on tensor cores with warp-level mma.sync (sm_80 and newer):
+// fp16/bf16 NHWC activations, fp32 accumulation. (On sm_90 the code generator prefers
+// conv_wgmma.cuh; this kernel serves Ampere and the shapes wgmma's tiles do not fit.)
 //
-// The convolution is the GEMM  Y[m][k] = sum_kk A[m][kk] * B[kk][k]  with m an output pixel
-// (n, oh, ow), k an output channel and kk = (r, s, c) a filter tap and input channel, c fastest.
-// A is never materialized: each pipeline stage copies the BM x BK slice of it straight from the
-// NHWC input (one filter tap, BK consecutive channels: contiguous 16-byte runs), zero-filling
-// padding. B comes from HWIO filters ([kk][k], k contiguous; read with transposing fragment
-// loads) or OHWI / 1x1 OIHW filters ([k][kk]). kStages copies are in flight while the warps
-// multiply the oldest stage. The epilogue stages the fp32 tile through shared memory so every
-// output row is written with 16-byte stores, running the plan's operator chain on each value.
+// Each pipeline stage copies the BM x BK slice of A (one filter tap, BK consecutive channels:
+// contiguous 16-byte runs, zero-filled in the padding) and the BK x BN slice of B into shared
+// memory with cp.async; kStages - 1 stages are in flight while the warps multiply the oldest.
+// Rows are padded by 16 bytes so ldmatrix reads hit distinct banks. The epilogue stages the
+// fp32 tile through shared memory (implicit_gemm.h: store_tile).
 //
 // Tile sizes come from the code generator (namespace plan: kBM, kBN, kBK, kWarpsM, kWarpsN,
-// kStages, kMinBlocks, kSmemBytes); requirements it checks: CG % kBK == 0, KG % 8 == 0,
-// 16-byte aligned buffers (the host falls back to the direct kernel otherwise).
+// kStages, kMinBlocks, kSmemBytes); it also checks CG % kBK == 0, KG % 8 == 0, and the host
+// falls back to the direct kernel for buffers that are not 16-byte aligned.
 #pragma once
 
+#include "implicit_gemm.h"
 #include "mma.h"
 
 namespace jaxfuse {
 namespace igemm {
 
 using namespace plan;
+using namespace implicit_gemm;
 
 constexpr int kThreads = kWarpsM * kWarpsN * kWarpSize;
 constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;  // one warp's tile
 constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
-constexpr i64 M = N * P * Q;
-constexpr i64 kTaps = R * S;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
 constexpr i64 kMTiles = (M + kBM - 1) / kBM;
 constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
 
-// Shared-memory layout, in 16-bit elements. Rows are padded by 16 bytes so the eight rows one
-// ldmatrix reads fall in distinct banks.
-constexpr bool kBRowsAreK = kFilterLayout == kFilterHWIO;  // B stored [kk][k], else [k][kk]
+// Shared memory, in 16-bit elements: A stored [m][kk]; B stored [kk][k] for HWIO filters (read
+// with transposing ldmatrix) or [k][kk] otherwise.
 constexpr int kAPitch = kBK + 8;
-constexpr int kBPitch = kBRowsAreK ? kBN + 8 : kBK + 8;
+constexpr int kBPitch = kFiltersKMajor ? kBK + 8 : kBN + 8;
 constexpr int kATile = kBM * kAPitch;
-constexpr int kBTile = kBRowsAreK ? kBK * kBPitch : kBN * kBPitch;
+constexpr int kBTile = kFiltersKMajor ? kBN * kBPitch : kBK * kBPitch;
 constexpr int kStage = kATile + kBTile;
 constexpr int kCPitch = kBN + 4;  // floats: the epilogue's staging tile
 
@@ -51,16 +49,8 @@ static_assert(CG % kBK == 0 && kBK % 16 == 0, "a k-tile stays within one filter 
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kStages * kStage * 2 <= kSmemBytes && kBM * kCPitch * 4 <= kSmemBytes,
               "shared memory budget");
-static_assert(kKTiles >= 1, "at least one k-tile");
 
-// Where one thread's A rows start: fixed for the whole k loop.
-struct ARow {
-  i64 image;     // n * H * W * C
-  int ih0, iw0;  // input coordinates of filter tap (0, 0)
-  bool valid;    // inside the output
-};
-
-JF_DEVICE void load_a(const Io::type* x, u16* sa, const ARow (&rows)[kAChunks], int kt,
+JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow (&rows)[kAChunks], int kt,
                       i64 channel0, int tid) {
   const int kk0 = kt * kBK;
   const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
@@ -69,12 +59,8 @@ JF_DEVICE void load_a(const Io::type* x, u16* sa, const ARow (&rows)[kAChunks], 
   for (int i = 0; i < kAChunks; ++i) {
     const int chunk = tid + i * kThreads;
     const int row = chunk / kAChunksPerRow, col8 = chunk % kAChunksPerRow;
-    const int ih = rows[i].ih0 + r * static_cast<int>(DH);
-    const int iw = rows[i].iw0 + s * static_cast<int>(DW);
-    const bool ok = rows[i].valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
-    const Io::type* src =
-        ok ? x + rows[i].image + (i64(ih) * W + iw) * C + channel0 + c0 + col8 * 8 : x;
-    mma::copy16_async(mma::smem_addr(sa + row * kAPitch + col8 * 8), src, ok);
+    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
+    mma::copy16_async(mma::smem_addr(sa + row * kAPitch + col8 * 8), src ? src : x, src);
   }
 }
 
@@ -84,19 +70,17 @@ JF_DEVICE void load_b(const Io::type* w, u16* sb, int kt, i64 group, int n0, int
 #pragma unroll
   for (int i = 0; i < kBChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    if (kBRowsAreK) {  // HWIO: w[(tap, c)][k]
-      const int row = chunk / (kBN / 8), col8 = chunk % (kBN / 8);
-      const int k = n0 + col8 * 8;
-      const bool ok = k < KG;
-      const Io::type* src = ok ? w + (i64(tap) * CG + c0 + row) * K + group * KG + k : w;
-      mma::copy16_async(mma::smem_addr(sb + row * kBPitch + col8 * 8), src, ok);
-    } else {  // OHWI (or 1x1 OIHW): w[k][(tap, c)]
-      const int row = chunk / (kBK / 8), col8 = chunk % (kBK / 8);
-      const int k = n0 + row;
-      const bool ok = k < KG;
-      const Io::type* src = ok ? w + ((group * KG + k) * kTaps + tap) * CG + c0 + col8 * 8 : w;
-      mma::copy16_async(mma::smem_addr(sb + row * kBPitch + col8 * 8), src, ok);
+    int row, col8, k, c;
+    if (kFiltersKMajor) {  // [k][kk]: a row is one output channel
+      row = chunk / (kBK / 8), col8 = chunk % (kBK / 8);
+      k = n0 + row, c = c0 + col8 * 8;
+    } else {  // [kk][k]: a row is one (tap, c)
+      row = chunk / (kBN / 8), col8 = chunk % (kBN / 8);
+      k = n0 + col8 * 8, c = c0 + row;
     }
+    const bool ok = k < KG;
+    const Io::type* src = ok ? w + b_offset(group, tap, c, k) : w;
+    mma::copy16_async(mma::smem_addr(sb + row * kBPitch + col8 * 8), src, ok);
   }
 }
 
@@ -115,14 +99,14 @@ JF_DEVICE void multiply_stage(const u16* sa, const u16* sb, float (&acc)[kFragsM
 #pragma unroll
     for (int fn = 0; fn < kFragsN; fn += 2) {
       u32 r[4];
-      if (kBRowsAreK) {
-        const int krow = ks + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int ncol = warp_n * kWN + fn * 8 + (lane / 16) * 8;
-        mma::load_matrices<true>(r, mma::smem_addr(sb + krow * kBPitch + ncol));
-      } else {
+      if (kFiltersKMajor) {
         const int nrow = warp_n * kWN + fn * 8 + (lane % 8) + (lane / 16) * 8;
         const int kcol = ks + ((lane / 8) % 2) * 8;
         mma::load_matrices<false>(r, mma::smem_addr(sb + nrow * kBPitch + kcol));
+      } else {
+        const int krow = ks + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int ncol = warp_n * kWN + fn * 8 + (lane / 16) * 8;
+        mma::load_matrices<true>(r, mma::smem_addr(sb + krow * kBPitch + ncol));
       }
       b[fn][0] = r[0];
       b[fn][1] = r[1];
@@ -144,7 +128,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     jaxfuse_conv_igemm(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::igemm;
-  typedef Io::type T;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kBN];
 
@@ -157,28 +140,15 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
   const i64 group = block / (kNTiles * kMTiles);
 
   const Epilogue ep(p);
-  const T* x = static_cast<const T*>(p.x);
-  const T* w = static_cast<const T*>(p.w);
-  for (int j = tid; j < kBN; j += kThreads) {
-    terms[j] = n0 + j < KG ? ep.channel(group * KG + n0 + j) : Epilogue::Channel{0.0f, 1.0f, 0.0f};
-  }
-
-  ARow rows[kAChunks];
+  const Io::type* x = static_cast<const Io::type*>(p.x);
+  const Io::type* w = static_cast<const Io::type*>(p.w);
+  fill_terms<kBN, kThreads>(ep, terms, n0, group);
+  PixelRow rows[kAChunks];
 #pragma unroll
-  for (int i = 0; i < kAChunks; ++i) {
-    const i64 m = m0 + (tid + i * kThreads) / kAChunksPerRow;
-    const i64 n = m / (P * Q), pq = m % (P * Q);
-    rows[i].valid = m < M;
-    rows[i].image = n * H * W * C;
-    rows[i].ih0 = static_cast<int>(pq / Q) * static_cast<int>(SH) - static_cast<int>(PT);
-    rows[i].iw0 = static_cast<int>(pq % Q) * static_cast<int>(SW) - static_cast<int>(PL);
-  }
+  for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / kAChunksPerRow);
 
   u16* stages = reinterpret_cast<u16*>(smem);
-  auto stage_a = [&](int st) { return stages + st * kStage; };
-  auto stage_b = [&](int st) { return stages + st * kStage + kATile; };
   const i64 channel0 = group * CG;
-
   float acc[kFragsM][kFragsN][4];
 #pragma unroll
   for (int fm = 0; fm < kFragsM; ++fm)
@@ -191,26 +161,28 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
     if (st < kKTiles) {
-      load_a(x, stage_a(st), rows, st, channel0, tid);
-      load_b(w, stage_b(st), st, group, n0, tid);
+      load_a(x, stages + st * kStage, rows, st, channel0, tid);
+      load_b(w, stages + st * kStage + kATile, st, group, n0, tid);
     }
     mma::commit_copies();
   }
   for (int kt = 0; kt < kKTiles; ++kt) {
     mma::wait_copies<kStages - 2>();
-    __syncthreads();  // stage kt is visible to all; stage kt-1 is free to refill
+    __syncthreads();  // stage kt is visible to all; stage kt - 1 is free to refill
     const int next = kt + kStages - 1;
     if (next < kKTiles) {
-      load_a(x, stage_a(next % kStages), rows, next, channel0, tid);
-      load_b(w, stage_b(next % kStages), next, group, n0, tid);
+      u16* stage = stages + (next % kStages) * kStage;
+      load_a(x, stage, rows, next, channel0, tid);
+      load_b(w, stage + kATile, next, group, n0, tid);
     }
     mma::commit_copies();
-    multiply_stage(stage_a(kt % kStages), stage_b(kt % kStages), acc, warp_m, warp_n, lane);
+    const u16* stage = stages + (kt % kStages) * kStage;
+    multiply_stage(stage, stage + kATile, acc, warp_m, warp_n, lane);
   }
   mma::wait_copies<0>();
   __syncthreads();
 
-  // Epilogue: accumulators -> shared fp32 tile -> chain -> 16-byte stores of whole rows.
+  // Accumulators -> shared fp32 tile (mma C layout: rows g and g + 8, columns 2t and 2t + 1).
   float* tile = reinterpret_cast<float*>(smem);
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -225,21 +197,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     }
   }
   __syncthreads();
-  T* y = static_cast<T*>(p.y);
-  for (int chunk = tid; chunk < kBM * (kBN / 8); chunk += kThreads) {
-    const int row = chunk / (kBN / 8), col8 = chunk % (kBN / 8);
-    const i64 m = m0 + row;
-    const int k = n0 + col8 * 8;
-    if (m >= M || k >= KG) continue;
-    const i64 out = m * K + group * KG + k;
-    const i64 param = (m % (P * Q)) * K + group * KG + k;
-    Vec16 packed;
-    T* lanes = reinterpret_cast<T*>(&packed);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = tile[row * kCPitch + col8 * 8 + j];
-      lanes[j] = Io::store(ep.apply(v, terms[col8 * 8 + j], param + j, out + j));
-    }
-    *reinterpret_cast<Vec16*>(y + out) = packed;
-  }
+  store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
+                                          static_cast<Io::type*>(p.y));
 }
