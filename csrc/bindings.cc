@@ -154,6 +154,9 @@ NB_MODULE(_jaxfuse_ext, m) {
     return out;
   }, "Counts of kernel compilations, disk-cache hits and device loads in this process.");
 
+  m.def("wgmma_function", &jaxfuse::gpu::WgmmaFunction, nb::arg("n"), nb::arg("dtype"),
+        nb::arg("b_mn_major"), "The generated wgmma wrapper for one tile width (for probes).");
+
   m.def("kernel_sources", [] {
     nb::dict sources;
     for (int i = 0; i < jaxfuse::kNumEmbeddedSources; ++i) {

@@ -131,6 +131,12 @@ class FusionPlan:
         return self
 
     @property
+    def solver(self) -> str | None:
+        """The kernel the compiled plan runs ("conv_igemm", "conv_direct", "pointwise" on GPUs;
+        "cpu" on the host), or None before ``compile()``."""
+        return self._compiled.kernel if self.is_compiled else None
+
+    @property
     def is_compiled(self) -> bool:
         return self._compiled is not None and self._compiled_version == self._version
 

@@ -18,9 +18,14 @@ echo "built in $(( $(date +%s) - start )) s"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 $py -m jaxfuse info
 
+if [[ $mode == full || $mode == quick ]]; then
+  echo "== wgmma probe"
+  $py scripts/wgmma_probe.py 2>&1 | tail -12
+fi
+
 if [[ $mode == tests || $mode == full || $mode == quick ]]; then
   echo "== GPU tests"
-  sel=(-m gpu); [[ $mode == quick ]] && sel+=(-k "chain or runtime")
+  sel=(-m gpu); [[ $mode == quick ]] && sel+=(-k "tensor_core or depthwise or runtime or chain")
   $py -m pytest tests "${sel[@]}" -q -p no:cacheprovider -x --durations=5 \
     > "$OUT/tests.log" 2>&1
   echo "pytest exit $?"; tail -25 "$OUT/tests.log"

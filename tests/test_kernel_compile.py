@@ -43,6 +43,15 @@ VARIANTS = (
     + [Case(ops="CBA", filter_layout=fl, layout="NHWC") for fl in ("OIHW", "HWIO", "OHWI")]
     + [Case(ops="CBA", groups=8, c=8, k=16, strides=(2, 2), dilation=(2, 1), padding="SAME")]
     + [Case(ops="C"), Case(ops="A"), Case(ops="N"), Case(ops="B"), Case(ops="S")]
+    # Tensor-core implicit GEMM: both 16-bit dtypes, both filter layouts it reads, each tile.
+    + [Case(ops="CBNSA", dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw)
+       for dt in ("float16", "bfloat16") for fl in ("HWIO", "OHWI")
+       for c, k, n, hw in ((16, 24, 1, 9), (64, 64, 8, 28), (64, 256, 64, 28), (128, 128, 2, 14),
+                           (256, 512, 16, 14), (64, 192, 64, 14))]
+    # Depthwise, every dtype; pointwise with too many channels for the shared-memory table.
+    + [Case(ops="CBNA", dtype=dt, layout="NHWC", filter_layout="HWIO", groups=32, c=32, k=32)
+       for dt in ("float32", "float16", "bfloat16")]
+    + [Case(ops="BNA", c=5000, h=2, w=3, layout=layout) for layout in ("NCHW", "NHWC")]
 )
 
 
@@ -53,8 +62,17 @@ def test_kernel_compiles(case: Case, arch: str) -> None:
     out = extension().gpu_compile_only("CUDA", signature.encode(), arch)
     assert out["binary_bytes"] > 0
     assert out["entries"], "no entry points"
-    expected = "conv" if "C" in case.ops else "pointwise"
-    assert out["solver"].startswith(expected)
+    if "C" not in case.ops:
+        assert out["solver"] == "pointwise"
+    elif case.groups == case.c == case.k and case.layout == "NHWC":
+        assert out["solver"] == "conv_depthwise"
+    elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 64 == 0 and \
+            arch == "sm_90":
+        assert out["solver"] == "conv_wgmma"
+    elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 16 == 0:
+        assert out["solver"] == "conv_igemm"
+    else:
+        assert out["solver"] == "conv_direct"
 
 
 def test_compile_error_carries_the_log() -> None:

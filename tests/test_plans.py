@@ -57,6 +57,45 @@ BN_CASES = [
 ]
 
 
+# Shapes the GPU's tensor-core solver takes (NHWC fp16/bf16, channels in multiples of 16):
+# partial tiles in both GEMM dimensions, every tile size the heuristic picks, both filter
+# layouts it reads, and every geometry it indexes.
+NHWC = {"layout": "NHWC", "filter_layout": "HWIO"}
+TENSOR_CORE_CASES = [
+    Case(c=32, k=24, h=9, w=11, **NHWC),                                # partial M and N tiles
+    Case(c=64, k=64, n=3, h=20, w=20, **NHWC),                          # 128x64 tiles
+    Case(c=64, k=256, n=4, h=48, w=48, ops="CBNSA", **NHWC),            # 128x128 tiles
+    Case(c=16, k=40, r=1, s=1, padding="VALID", layout="NHWC", filter_layout="OHWI"),
+    Case(c=48, k=16, r=1, s=1, padding="VALID", layout="NHWC", filter_layout="OIHW"),
+    Case(c=32, k=32, r=5, s=3, strides=(2, 1), padding=((2, 1), (0, 3)), h=13, w=10, **NHWC),
+    Case(c=32, k=16, dilation=(2, 3), padding="SAME", h=12, w=14, layout="NHWC",
+         filter_layout="OHWI"),
+    Case(c=64, k=48, groups=2, strides=(2, 2), padding="SAME", h=15, w=15, **NHWC),
+    Case(c=32, k=32, ops="CNA", bn_mode="per_activation", h=6, w=7, **NHWC),
+    Case(c=32, k=64, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), h=20, w=20, **NHWC),
+]
+
+
+@pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_shapes(case: Case, dtype: str, device) -> None:
+    case = dataclasses.replace(case, dtype=dtype)
+    run_case(case, device)
+    if device.platform == "gpu":
+        plan = case.build()[0].compile(device)
+        assert plan.solver in ("conv_igemm", "conv_wgmma"), plan.solver
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_depthwise_and_wide_pointwise(dtype: str, device) -> None:
+    depthwise = Case(ops="CBNA", groups=40, c=40, k=40, h=11, w=9, dtype=dtype, strides=(2, 1),
+                     padding="SAME", **NHWC)
+    run_case(depthwise, device)
+    run_case(Case(ops="BNA", c=4104, h=2, w=3, layout="NHWC", dtype=dtype), device)
+    if device.platform == "gpu":
+        assert depthwise.build()[0].compile(device).solver == "conv_depthwise"
+
+
 @pytest.mark.parametrize("case", CHAIN_CASES, ids=str)
 def test_every_chain(case: Case, device) -> None:
     run_case(case, device)

@@ -42,6 +42,10 @@ struct Slot {
   std::shared_ptr<const LoadedKernel> kernel;
 };
 
+const std::string& CompileArch(const GeneratedKernel& generated, const DeviceInfo& device) {
+  return generated.compile_arch.empty() ? device.arch : generated.compile_arch;
+}
+
 bool Aligned(const void* p, int alignment) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(alignment) == 0;
 }
@@ -51,7 +55,7 @@ bool Aligned(const void* p, int alignment) {
 std::string CompileOnly(Platform platform, const PlanSpec& spec, const DeviceInfo& device,
                         GeneratedKernel* generated) {
   *generated = GenerateKernel(spec, device);
-  return RuntimeCompiler::Get(platform).Compile(generated->source, device.arch);
+  return RuntimeCompiler::Get(platform).Compile(generated->source, CompileArch(*generated, device));
 }
 
 std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec& spec,
@@ -83,7 +87,7 @@ std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec&
     std::lock_guard<std::mutex> stats_lock(stats_mu);
     ++stats.disk_hits;
   } else {
-    binary = compiler.Compile(kernel->generated.source, device.arch);
+    binary = compiler.Compile(kernel->generated.source, CompileArch(kernel->generated, device));
     kernel->origin = "compiled";
     disk.Store(key, binary);
     std::lock_guard<std::mutex> stats_lock(stats_mu);

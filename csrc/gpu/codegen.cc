@@ -1,6 +1,7 @@
 #include "gpu/codegen.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -30,6 +31,9 @@ class Text {
   std::string out_;
 };
 
+// Channels whose per-channel epilogue terms a pointwise block tabulates in shared memory.
+constexpr int64_t kMaxTableChannels = 4096;
+
 unsigned GridFor(int64_t work_items, int threads, const DeviceInfo& device) {
   // Enough blocks to fill the device several times over; kernels loop beyond that.
   const int64_t wanted = (work_items + threads - 1) / threads;
@@ -51,7 +55,8 @@ std::string PlanConstants(const PlanSpec& spec) {
     << ";\n"
     << "constexpr i64 kOutElements = N * K * P * Q;\n"
     << "constexpr i64 kPerSample = K * P * Q;\n"
-    << "constexpr int kFilterOIHW = 0, kFilterHWIO = 1, kFilterOHWI = 2;\n";
+    << "constexpr int kFilterOIHW = 0, kFilterHWIO = 1, kFilterOHWI = 2;\n"
+    << "constexpr i64 kMaxTableChannels = " << kMaxTableChannels << ";\n";
   if (spec.has_conv) {
     s << "constexpr int kFilterLayout = " << static_cast<int>(g.filter_layout) << ";\n"
       << "constexpr i64 R = " << g.r << ", S = " << g.s << ", SH = " << g.stride_h
@@ -122,33 +127,201 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   return s.str();
 }
 
-std::string TranslationUnit(const PlanSpec& spec, const char* kernel_file) {
+std::string TranslationUnit(const PlanSpec& spec, const std::string& extra_constants,
+                            const std::vector<const char*>& kernel_files) {
   Text s;
   s << "// jaxfuse kernel for plan: " << spec.text << "\n"
     << "#include \"portable.h\"\n#include \"params.h\"\n#include \"epilogue.h\"\n\n"
-    << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n"
-    << "#include \"" << kernel_file << "\"\n";
+    << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n";
+  if (!extra_constants.empty()) {
+    s << "namespace jaxfuse {\nnamespace plan {\n" << extra_constants << "}  // namespace plan\n}"
+         "  // namespace jaxfuse\n\n";
+  }
+  for (const char* file : kernel_files) s << "#include \"" << file << "\"\n";
+  return s.str();
+}
+
+// ----- implicit GEMM on tensor cores -----------------------------------------------------------
+
+struct IgemmTile {
+  int bm, bn, bk, warps_m, warps_n, stages, min_blocks;
+  int Threads() const { return warps_m * warps_n * 32; }
+  // Bytes of dynamic shared memory: the pipeline stages, or the fp32 epilogue tile.
+  int SmemBytes(bool b_rows_are_k) const {
+    const int a = bm * (bk + 8), b = b_rows_are_k ? bk * (bn + 8) : bn * (bk + 8);
+    return std::max(stages * (a + b) * 2, bm * (bn + 4) * 4);
+  }
+};
+
+int ArchNumber(const std::string& arch) {
+  return arch.rfind("sm_", 0) == 0 ? std::atoi(arch.c_str() + 3) : 0;
+}
+
+// Whether the tensor-core kernel applies to the plan on this device.
+bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
+  const bool filter_ok = g.filter_layout == FilterLayout::kHWIO ||
+                         g.filter_layout == FilterLayout::kOHWI ||
+                         (g.filter_layout == FilterLayout::kOIHW && g.r == 1 && g.s == 1);
+  return !device.hip && ArchNumber(device.arch) >= 80 && spec.dtype != DType::kF32 &&
+         spec.layout == Layout::kNHWC && filter_ok && cg % 16 == 0 && kg % 8 == 0 &&
+         spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
+}
+
+IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
+  const int64_t m = spec.n * spec.out_h * spec.out_w;
+  const int bk = cg % 32 == 0 ? 32 : 16;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  auto ctas = [&](int bm, int bn) {
+    return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
+  };
+  // Largest tile that still gives every multiprocessor work.
+  if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, bk, 2, 4, 4, 1};
+  if (ctas(128, 64) >= sms) return {128, 64, bk, 4, 2, 4, 2};
+  return {64, 64, bk, 2, 2, 4, 2};
+}
+
+// ----- Hopper: warpgroup MMA ------------------------------------------------------------------
+
+struct WgmmaTile {
+  int bm, bn, stages, min_blocks;
+  int Threads() const { return bm / 64 * 128; }
+  int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
+    return std::max(stages * (bm + bn) * 128, bm * (bn + 4) * 4) + 1024;
+  }
+};
+
+bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  return IgemmApplies(spec, device) && device.arch == "sm_90" && (spec.c / g.groups) % 64 == 0;
+}
+
+WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  auto ctas = [&](int bm, int bn) {
+    return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
+  };
+  // The widest tile that still occupies every multiprocessor; narrower ones run two or three
+  // CTAs per multiprocessor to hide each other's pipeline bubbles.
+  if (kg >= 256 && ctas(128, 256) >= sms) return {128, 256, 4, 1};
+  if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, 3, 2};
+  if (kg > 64 && ctas(128, 128) >= sms / 2) return {128, 128, 3, 2};
+  if (ctas(128, 64) >= sms) return {128, 64, 4, 2};
+  return {64, 64, 4, 3};
+}
+
+std::string WgmmaConstants(const WgmmaTile& t) {
+  Text s;
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
+    << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
+    << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
+  return s.str();
+}
+
+std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
+  Text s;
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ", kBK = " << t.bk << ";\n"
+    << "constexpr int kWarpsM = " << t.warps_m << ", kWarpsN = " << t.warps_n << ";\n"
+    << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
+    << "constexpr int kSmemBytes = " << t.SmemBytes(b_rows_are_k) << ";\n";
   return s.str();
 }
 
 }  // namespace
+
+std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
+  const int regs = n / 2;
+  const char* type = dtype == 2 ? "bf16" : "f16";
+  Text s;
+  s << "namespace jaxfuse {\nnamespace wgmma {\n"
+    << "JF_DEVICE void mma_64xNx16(float (&d)[" << regs << "], u64 a, u64 b) {\n"
+    << "  asm volatile(\n"
+    << "      \"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
+    << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32." << type << "." << type
+    << " {\"\n      \"";
+  for (int i = 0; i < regs; ++i) {
+    s << "%" << i << (i + 1 < regs ? ", " : "");
+    if (i % 16 == 15 && i + 1 < regs) s << "\"\n      \"";
+  }
+  // scale-d = p (accumulate), scale-a = scale-b = 1, A K-major, B transposed when MN-major.
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, " << (b_mn_major ? 1 : 0)
+    << ";\\n}\\n\"\n      : ";
+  for (int i = 0; i < regs; ++i) {
+    s << "\"+f\"(d[" << i << "])" << (i + 1 < regs ? ", " : "");
+    if (i % 8 == 7 && i + 1 < regs) s << "\n        ";
+  }
+  s << "\n      : \"l\"(a), \"l\"(b), \"r\"(1));\n}\n}  // namespace wgmma\n}  // namespace jaxfuse\n";
+  return s.str();
+}
 
 GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
   GeneratedKernel out;
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
     const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+    const unsigned table_bytes =
+        spec.c <= kMaxTableChannels ? static_cast<unsigned>(3 * spec.c * sizeof(float)) : 0;
+    // Few enough blocks that building the table is cheap next to the elements each streams.
+    const unsigned grid = std::min(GridFor(elements / lanes / 4 + 1, 256, device),
+                                   static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
     out.solver = "pointwise";
-    out.source = TranslationUnit(spec, "pointwise.cuh");
-    out.entries.push_back({"jaxfuse_pointwise", GridFor(elements / lanes + 1, 256, device), 256,
+    out.source = TranslationUnit(spec, "", {"pointwise.cuh"});
+    out.entries.push_back({"jaxfuse_pointwise", grid, 256, table_bytes, 16});
+    out.entries.push_back({"jaxfuse_pointwise_scalar", grid, 256, table_bytes, 1});
+    return out;
+  }
+  const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};
+  if (WgmmaApplies(spec, device)) {
+    const WgmmaTile tile = ChooseWgmmaTile(spec, device);
+    const ConvGeometry& g = spec.conv;
+    const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
+    const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+    const int dtype = spec.dtype == DType::kBF16 ? 2 : 1;
+    out.solver = "conv_wgmma";
+    out.compile_arch = "sm_90a";
+    out.source = TranslationUnit(spec, WgmmaConstants(tile), {}) +
+                 WgmmaFunction(tile.bn, dtype, g.filter_layout == FilterLayout::kHWIO) +
+                 "#include \"conv_wgmma.cuh\"\n#include \"conv_direct.cuh\"\n";
+    out.entries.push_back({"jaxfuse_conv_wgmma", static_cast<unsigned>(blocks),
+                           static_cast<unsigned>(tile.Threads()),
+                           static_cast<unsigned>(tile.SmemBytes()), 16});
+    out.entries.push_back(direct);
+    return out;
+  }
+  if (IgemmApplies(spec, device)) {
+    const IgemmTile tile = ChooseIgemmTile(spec, device);
+    const ConvGeometry& g = spec.conv;
+    const bool b_rows_are_k = g.filter_layout == FilterLayout::kHWIO;
+    const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
+    const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+    out.solver = "conv_igemm";
+    out.source = TranslationUnit(spec, IgemmConstants(tile, b_rows_are_k),
+                                 {"conv_igemm.cuh", "conv_direct.cuh"});
+    out.entries.push_back({"jaxfuse_conv_igemm", static_cast<unsigned>(blocks),
+                           static_cast<unsigned>(tile.Threads()),
+                           static_cast<unsigned>(tile.SmemBytes(b_rows_are_k)), 16});
+    out.entries.push_back(direct);
+    return out;
+  }
+  const ConvGeometry& g = spec.conv;
+  const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+  if (g.groups == spec.c && g.k == spec.c && spec.layout == Layout::kNHWC &&
+      g.filter_layout == FilterLayout::kHWIO && spec.c % lanes == 0) {
+    out.solver = "conv_depthwise";
+    out.source = TranslationUnit(spec, "", {"conv_depthwise.cuh", "conv_direct.cuh"});
+    out.entries.push_back({"jaxfuse_conv_depthwise", GridFor(elements / lanes, 256, device), 256,
                            0, 16});
-    out.entries.push_back({"jaxfuse_pointwise_scalar", GridFor(elements, 256, device), 256, 0,
-                           1});
+    out.entries.push_back(direct);
     return out;
   }
   out.solver = "conv_direct";
-  out.source = TranslationUnit(spec, "conv_direct.cuh");
-  out.entries.push_back({"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1});
+  out.source = TranslationUnit(spec, "", {"conv_direct.cuh"});
+  out.entries.push_back(direct);
   return out;
 }
 

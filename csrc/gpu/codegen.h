@@ -28,8 +28,15 @@ struct EntryPoint {
 struct GeneratedKernel {
   std::string solver;                // e.g. "pointwise", "conv_direct"
   std::string source;                // the main translation unit
+  std::string compile_arch;          // the compiler's target (e.g. "sm_90a" for wgmma)
   std::vector<EntryPoint> entries;   // fastest first; the last one applies to any alignment
 };
+
+// The device function `jaxfuse::wgmma::mma_64xNx16(float (&d)[N / 2], u64 a, u64 b)` for one
+// tile width N, dtype (1 fp16, 2 bf16) and B major-ness: d += A (64x16) * B (16xN), both from
+// shared-memory descriptors (see csrc/kernels/wgmma.h). Its operand list has N / 2 registers,
+// so it is generated rather than written out for every N.
+std::string WgmmaFunction(int n, int dtype, bool b_mn_major);
 
 // Throws std::invalid_argument if no kernel applies (never expected: conv_direct always does).
 GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device);

@@ -1,8 +1,11 @@
 // Plans without a convolution (N, A, NA, BA, BNSA, ...): one pass over the tensor, the
 // epilogue applied to each element between its single load and single store.
 //
-// jaxfuse_pointwise moves 16 bytes per thread per step (needs 16-byte aligned buffers);
-// jaxfuse_pointwise_scalar handles any alignment. The host picks one per call.
+// jaxfuse_pointwise moves 16 bytes per thread per step, several steps in flight (needs 16-byte
+// aligned buffers); jaxfuse_pointwise_scalar handles any alignment. The host picks one per call.
+// Per-channel terms (bias, batch norm folded into one multiply-add) are computed once per
+// block into a shared-memory table when they fit: reading them per element from global memory
+// costs more L1 traffic than the tensor itself when channels vary fastest (NHWC).
 #pragma once
 
 namespace jaxfuse {
@@ -10,12 +13,33 @@ namespace kernels {
 
 using namespace plan;
 
+constexpr bool kChannelTable = C <= kMaxTableChannels;
+constexpr int kUnroll = 4;  // 16-byte vectors in flight per thread
+
 // Channel of the element at flat index i.
 JF_DEVICE i64 input_channel(i64 i) { return kNHWC ? i % C : (i / (H * W)) % C; }
 
-JF_DEVICE void pointwise_element(const Epilogue& ep, const Io::type* JF_RESTRICT x,
-                                 Io::type* JF_RESTRICT y, i64 i) {
-  y[i] = Io::store(ep.apply(Io::load(x[i]), ep.channel(input_channel(i)), i % kPerSample, i));
+// The per-channel terms, from the block's table or computed on the spot.
+struct ChannelTerms {
+  const float* table;  // [bias | bn_mul | bn_add], C floats each
+  const Epilogue* ep;
+  JF_DEVICE Epilogue::Channel operator()(i64 c) const {
+    if (kChannelTable) return Epilogue::Channel{table[c], table[C + c], table[2 * C + c]};
+    return ep->channel(c);
+  }
+};
+
+JF_DEVICE ChannelTerms fill_channel_table(const Epilogue& ep, float* table) {
+  if (kChannelTable) {
+    for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
+      const Epilogue::Channel t = ep.channel(c);
+      table[c] = t.bias;
+      table[C + c] = t.bn_mul;
+      table[2 * C + c] = t.bn_add;
+    }
+    __syncthreads();
+  }
+  return ChannelTerms{table, &ep};
 }
 
 }  // namespace kernels
@@ -25,43 +49,58 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
   using namespace jaxfuse;
   using namespace jaxfuse::kernels;
   typedef Io::type T;
+  extern __shared__ float table[];
   constexpr int kLanes = sizeof(Vec16) / sizeof(T);
   constexpr i64 kVectors = kOutElements / kLanes;
   // NCHW planes that are a whole number of vectors keep one channel per vector.
   constexpr bool kChannelPerVector = !kNHWC && (H * W) % kLanes == 0;
   const Epilogue ep(p);
-  const T* JF_RESTRICT x = static_cast<const T*>(p.x);
-  T* JF_RESTRICT y = static_cast<T*>(p.y);
-  for (i64 v = global_thread_index(); v < kVectors; v += global_thread_count()) {
-    const Vec16 in = reinterpret_cast<const Vec16*>(x)[v];
-    const T* lanes = reinterpret_cast<const T*>(&in);
-    Vec16 out;
-    T* out_lanes = reinterpret_cast<T*>(&out);
-    const i64 first = v * kLanes;
-    Epilogue::Channel shared_channel;
-    if (kChannelPerVector) shared_channel = ep.channel(input_channel(first));
+  const ChannelTerms terms = fill_channel_table(ep, table);
+  const Vec16* x = static_cast<const Vec16*>(p.x);
+  Vec16* y = static_cast<Vec16*>(p.y);
+  const i64 stride = global_thread_count();
+  for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
+    Vec16 in[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kLanes; ++j) {
-      const i64 i = first + j;
-      const Epilogue::Channel ch = kChannelPerVector ? shared_channel : ep.channel(input_channel(i));
-      out_lanes[j] = Io::store(ep.apply(Io::load(lanes[j]), ch, i % kPerSample, i));
+    for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll * 16 bytes in flight
+      if (v0 + u * stride < kVectors) in[u] = x[v0 + u * stride];
     }
-    reinterpret_cast<Vec16*>(y)[v] = out;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const i64 v = v0 + u * stride;
+      if (v >= kVectors) break;
+      const T* lanes = reinterpret_cast<const T*>(&in[u]);
+      Vec16 out;
+      T* out_lanes = reinterpret_cast<T*>(&out);
+      const i64 first = v * kLanes;
+      Epilogue::Channel shared_channel;
+      if (kChannelPerVector) shared_channel = terms(input_channel(first));
+#pragma unroll
+      for (int j = 0; j < kLanes; ++j) {
+        const i64 i = first + j;
+        const Epilogue::Channel ch = kChannelPerVector ? shared_channel : terms(input_channel(i));
+        out_lanes[j] = Io::store(ep.apply(Io::load(lanes[j]), ch, i % kPerSample, i));
+      }
+      y[v] = out;
+    }
   }
   // The few elements past the last whole vector.
-  for (i64 i = kVectors * kLanes + global_thread_index(); i < kOutElements;
-       i += global_thread_count()) {
-    pointwise_element(ep, x, y, i);
+  const T* xs = static_cast<const T*>(p.x);
+  T* ys = static_cast<T*>(p.y);
+  for (i64 i = kVectors * kLanes + global_thread_index(); i < kOutElements; i += stride) {
+    ys[i] = Io::store(ep.apply(Io::load(xs[i]), terms(input_channel(i)), i % kPerSample, i));
   }
 }
 
 extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise_scalar(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::kernels;
+  extern __shared__ float table[];
   const Epilogue ep(p);
+  const ChannelTerms terms = fill_channel_table(ep, table);
   const Io::type* x = static_cast<const Io::type*>(p.x);
   Io::type* y = static_cast<Io::type*>(p.y);
   for (i64 i = global_thread_index(); i < kOutElements; i += global_thread_count()) {
-    pointwise_element(ep, x, y, i);
+    y[i] = Io::store(ep.apply(Io::load(x[i]), terms(input_channel(i)), i % kPerSample, i));
   }
 }

@@ -1,0 +1,202 @@
+// Implicit-GEMM convolution on tensor cores with warp-level mma.sync (sm_80 and newer):
+// fp16/bf16 NHWC activations, fp32 accumulation. (On sm_90 the code generator prefers
+// conv_wgmma.cuh; this kernel serves Ampere and the shapes wgmma's tiles do not fit.)
+//
+// Each pipeline stage copies the BM x BK slice of A (one filter tap, BK consecutive channels:
+// contiguous 16-byte runs, zero-filled in the padding) and the BK x BN slice of B into shared
+// memory with cp.async; kStages - 1 stages are in flight while the warps multiply the oldest.
+// Rows are padded by 16 bytes so ldmatrix reads hit distinct banks. The epilogue stages the
+// fp32 tile through shared memory (implicit_gemm.h: store_tile).
+//
+// Tile sizes come from the code generator (namespace plan: kBM, kBN, kBK, kWarpsM, kWarpsN,
+// kStages, kMinBlocks, kSmemBytes); it also checks CG % kBK == 0, KG % 8 == 0, and the host
+// falls back to the direct kernel for buffers that are not 16-byte aligned.
+#pragma once
+
+#include "implicit_gemm.h"
+#include "mma.h"
+
+namespace jaxfuse {
+namespace igemm {
+
+using namespace plan;
+using namespace implicit_gemm;
+
+constexpr int kThreads = kWarpsM * kWarpsN * kWarpSize;
+constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;  // one warp's tile
+constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
+constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
+constexpr i64 kMTiles = (M + kBM - 1) / kBM;
+constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
+
+// Shared memory, in 16-bit elements: A stored [m][kk]; B stored [kk][k] for HWIO filters (read
+// with transposing ldmatrix) or [k][kk] otherwise.
+constexpr int kAPitch = kBK + 8;
+constexpr int kBPitch = kFiltersKMajor ? kBK + 8 : kBN + 8;
+constexpr int kATile = kBM * kAPitch;
+constexpr int kBTile = kFiltersKMajor ? kBN * kBPitch : kBK * kBPitch;
+constexpr int kStage = kATile + kBTile;
+constexpr int kCPitch = kBN + 4;  // floats: the epilogue's staging tile
+
+constexpr int kAChunksPerRow = kBK / 8;  // 16-byte chunks
+constexpr int kAChunks = kBM * kAChunksPerRow / kThreads;
+constexpr int kBChunks = kBK * kBN / 8 / kThreads;
+
+static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
+static_assert(kBM * kAChunksPerRow % kThreads == 0, "A chunks split evenly over threads");
+static_assert(kBK * kBN / 8 % kThreads == 0, "B chunks split evenly over threads");
+static_assert(CG % kBK == 0 && kBK % 16 == 0, "a k-tile stays within one filter tap");
+static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
+static_assert(kStages * kStage * 2 <= kSmemBytes && kBM * kCPitch * 4 <= kSmemBytes,
+              "shared memory budget");
+
+JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow (&rows)[kAChunks], int kt,
+                      i64 channel0, int tid) {
+  const int kk0 = kt * kBK;
+  const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+  const int r = tap / static_cast<int>(S), s = tap % static_cast<int>(S);
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    const int row = chunk / kAChunksPerRow, col8 = chunk % kAChunksPerRow;
+    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
+    mma::copy16_async(mma::smem_addr(sa + row * kAPitch + col8 * 8), src ? src : x, src);
+  }
+}
+
+JF_DEVICE void load_b(const Io::type* w, u16* sb, int kt, i64 group, int n0, int tid) {
+  const int kk0 = kt * kBK;
+  const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+#pragma unroll
+  for (int i = 0; i < kBChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    int row, col8, k, c;
+    if (kFiltersKMajor) {  // [k][kk]: a row is one output channel
+      row = chunk / (kBK / 8), col8 = chunk % (kBK / 8);
+      k = n0 + row, c = c0 + col8 * 8;
+    } else {  // [kk][k]: a row is one (tap, c)
+      row = chunk / (kBN / 8), col8 = chunk % (kBN / 8);
+      k = n0 + col8 * 8, c = c0 + row;
+    }
+    const bool ok = k < KG;
+    const Io::type* src = ok ? w + b_offset(group, tap, c, k) : w;
+    mma::copy16_async(mma::smem_addr(sb + row * kBPitch + col8 * 8), src, ok);
+  }
+}
+
+JF_DEVICE void multiply_stage(const u16* sa, const u16* sb, float (&acc)[kFragsM][kFragsN][4],
+                              int warp_m, int warp_n, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < kBK; ks += 16) {
+    u32 a[kFragsM][4];
+    u32 b[kFragsN][2];
+#pragma unroll
+    for (int fm = 0; fm < kFragsM; ++fm) {
+      const int row = warp_m * kWM + fm * 16 + (lane % 16);
+      const int col = ks + (lane / 16) * 8;
+      mma::load_matrices<false>(a[fm], mma::smem_addr(sa + row * kAPitch + col));
+    }
+#pragma unroll
+    for (int fn = 0; fn < kFragsN; fn += 2) {
+      u32 r[4];
+      if (kFiltersKMajor) {
+        const int nrow = warp_n * kWN + fn * 8 + (lane % 8) + (lane / 16) * 8;
+        const int kcol = ks + ((lane / 8) % 2) * 8;
+        mma::load_matrices<false>(r, mma::smem_addr(sb + nrow * kBPitch + kcol));
+      } else {
+        const int krow = ks + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int ncol = warp_n * kWN + fn * 8 + (lane / 16) * 8;
+        mma::load_matrices<true>(r, mma::smem_addr(sb + krow * kBPitch + ncol));
+      }
+      b[fn][0] = r[0];
+      b[fn][1] = r[1];
+      b[fn + 1][0] = r[2];
+      b[fn + 1][1] = r[3];
+    }
+#pragma unroll
+    for (int fm = 0; fm < kFragsM; ++fm) {
+#pragma unroll
+      for (int fn = 0; fn < kFragsN; ++fn) mma::mma_16x8x16<kDtype>(acc[fm][fn], a[fm], b[fn]);
+    }
+  }
+}
+
+}  // namespace igemm
+}  // namespace jaxfuse
+
+extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::plan::kMinBlocks)
+    jaxfuse_conv_igemm(jaxfuse::FusedParams p) {
+  using namespace jaxfuse;
+  using namespace jaxfuse::igemm;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Epilogue::Channel terms[kBN];
+
+  const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
+  // Output-channel tiles vary fastest, so CTAs that share an activation tile run together.
+  const i64 block = blockIdx.x;
+  const int n0 = static_cast<int>(block % kNTiles) * kBN;
+  const i64 m0 = (block / kNTiles) % kMTiles * kBM;
+  const i64 group = block / (kNTiles * kMTiles);
+
+  const Epilogue ep(p);
+  const Io::type* x = static_cast<const Io::type*>(p.x);
+  const Io::type* w = static_cast<const Io::type*>(p.w);
+  fill_terms<kBN, kThreads>(ep, terms, n0, group);
+  PixelRow rows[kAChunks];
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / kAChunksPerRow);
+
+  u16* stages = reinterpret_cast<u16*>(smem);
+  const i64 channel0 = group * CG;
+  float acc[kFragsM][kFragsN][4];
+#pragma unroll
+  for (int fm = 0; fm < kFragsM; ++fm)
+#pragma unroll
+    for (int fn = 0; fn < kFragsN; ++fn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[fm][fn][e] = 0.0f;
+
+  // Pipeline: kStages - 1 k-tiles in flight ahead of the one being multiplied.
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < kKTiles) {
+      load_a(x, stages + st * kStage, rows, st, channel0, tid);
+      load_b(w, stages + st * kStage + kATile, st, group, n0, tid);
+    }
+    mma::commit_copies();
+  }
+  for (int kt = 0; kt < kKTiles; ++kt) {
+    mma::wait_copies<kStages - 2>();
+    __syncthreads();  // stage kt is visible to all; stage kt - 1 is free to refill
+    const int next = kt + kStages - 1;
+    if (next < kKTiles) {
+      u16* stage = stages + (next % kStages) * kStage;
+      load_a(x, stage, rows, next, channel0, tid);
+      load_b(w, stage + kATile, next, group, n0, tid);
+    }
+    mma::commit_copies();
+    const u16* stage = stages + (kt % kStages) * kStage;
+    multiply_stage(stage, stage + kATile, acc, warp_m, warp_n, lane);
+  }
+  mma::wait_copies<0>();
+  __syncthreads();
+
+  // Accumulators -> shared fp32 tile (mma C layout: rows g and g + 8, columns 2t and 2t + 1).
+  float* tile = reinterpret_cast<float*>(smem);
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int fm = 0; fm < kFragsM; ++fm) {
+#pragma unroll
+    for (int fn = 0; fn < kFragsN; ++fn) {
+      const int row = warp_m * kWM + fm * 16 + g, col = warp_n * kWN + fn * 8 + 2 * t;
+      tile[row * kCPitch + col] = acc[fm][fn][0];
+      tile[row * kCPitch + col + 1] = acc[fm][fn][1];
+      tile[(row + 8) * kCPitch + col] = acc[fm][fn][2];
+      tile[(row + 8) * kCPitch + col + 1] = acc[fm][fn][3];
+    }
+  }
+  __syncthreads();
+  store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
+                                          static_cast<Io::type*>(p.y));
+}

@@ -1,0 +1,169 @@
+// Implicit-GEMM convolution on Hopper (sm_90a) with warpgroup MMA: fp16/bf16 NHWC activations,
+// fp32 accumulation. Each warpgroup (4 warps) owns 64 output pixels x kBN output channels.
+//
+// Per k-tile (one filter tap, 64 consecutive input channels) every thread copies its share of
+// A and B into a 128-byte-swizzled shared-memory stage with cp.async (zero-filling padding);
+// the warpgroups then issue four asynchronous 64 x kBN x 16 multiplies reading both operands
+// from shared memory through descriptors (wgmma.h), and the copies for a later k-tile overlap
+// them. The epilogue stages the fp32 tile through shared memory (implicit_gemm.h: store_tile).
+//
+// From the code generator (namespace plan): kBM (64 or 128), kBN (64, 128 or 256), kStages,
+// kMinBlocks, kSmemBytes. Requirements it checks: CG % 64 == 0, KG % 8 == 0; the host falls back
+// to the direct kernel for buffers that are not 16-byte aligned.
+#pragma once
+
+#include "implicit_gemm.h"
+#include "mma.h"
+#include "wgmma.h"
+
+namespace jaxfuse {
+namespace hopper {
+
+using namespace plan;
+using namespace implicit_gemm;
+
+constexpr int kBK = 64;  // 16-bit values in one 128-byte swizzle row
+constexpr int kWarpGroups = kBM / 64;
+constexpr int kThreads = kWarpGroups * 128;
+constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
+constexpr i64 kMTiles = (M + kBM - 1) / kBM;
+constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
+constexpr u32 kATileBytes = kBM * 128;
+constexpr u32 kBTileBytes = kBN * 128;
+constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
+constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
+constexpr int kCPitch = kBN + 4;        // floats: the epilogue's staging tile
+constexpr int kAChunks = kBM * 8 / kThreads;  // 16-byte chunks per thread per stage
+constexpr int kBChunks = kBN * 8 / kThreads;
+
+static_assert(kBM == 64 || kBM == 128, "one or two warpgroups");
+static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N");
+static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
+static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
+static_assert(kStages * kStageBytes + 1024 <= kSmemBytes &&
+              kBM * kCPitch * 4 + 1024 <= kSmemBytes, "shared memory budget");
+
+JF_DEVICE void load_a(const Io::type* x, u32 sa, const PixelRow (&rows)[kAChunks], int kt,
+                      i64 channel0, int tid) {
+  const int kk0 = kt * kBK;
+  const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+  const int r = tap / static_cast<int>(S), s = tap % static_cast<int>(S);
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    const int row = chunk / 8, col8 = chunk % 8;
+    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
+    mma::copy16_async(sa + wgmma::swizzled_offset(row, col8 * 8), src ? src : x, src);
+  }
+}
+
+JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int tid) {
+  const int kk0 = kt * kBK;
+  const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+#pragma unroll
+  for (int i = 0; i < kBChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    int k, c;
+    u32 dst;
+    if (kFiltersKMajor) {  // K-major rows: one output channel, 64 input channels
+      const int row = chunk / 8, col8 = chunk % 8;
+      k = n0 + row, c = c0 + col8 * 8;
+      dst = sb + wgmma::swizzled_offset(row, col8 * 8);
+    } else {  // MN-major rows: one input channel, 64 output channels per block
+      const int krow = chunk / (kBN / 8), n8 = chunk % (kBN / 8);
+      k = n0 + n8 * 8, c = c0 + krow;
+      dst = sb + (n8 / 8) * kNBlockBytes + wgmma::swizzled_offset(krow, (n8 % 8) * 8);
+    }
+    const bool ok = k < KG;
+    mma::copy16_async(dst, ok ? w + b_offset(group, tap, c, k) : w, ok);
+  }
+}
+
+JF_DEVICE void load_stage(const Io::type* x, const Io::type* w, u32 stage,
+                          const PixelRow (&rows)[kAChunks], int kt, i64 group, int n0, int tid) {
+  load_a(x, stage, rows, kt, group * CG, tid);
+  load_b(w, stage + kATileBytes, kt, group, n0, tid);
+}
+
+// Four k16 steps over one stage: this warpgroup's 64 rows of A times all kBN columns of B.
+JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
+  const u32 a = stage + warpgroup * 64 * 128, b = stage + kATileBytes;
+#pragma unroll
+  for (int j = 0; j < kBK / 16; ++j) {
+    const u64 da = wgmma::descriptor(a + 32 * j, 16, 1024);
+    const u64 db = kFiltersKMajor ? wgmma::descriptor(b + 32 * j, 16, 1024)
+                                  : wgmma::descriptor(b + 2048 * j, kNBlockBytes, 1024);
+    wgmma::mma_64xNx16(acc, da, db);
+  }
+}
+
+}  // namespace hopper
+}  // namespace jaxfuse
+
+extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse::plan::kMinBlocks)
+    jaxfuse_conv_wgmma(jaxfuse::FusedParams p) {
+  using namespace jaxfuse;
+  using namespace jaxfuse::hopper;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Epilogue::Channel terms[kBN];
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warpgroup = tid / 128, warp_in_group = (tid % 128) / 32;
+  // Output-channel tiles vary fastest, so CTAs that share an activation tile run together.
+  const i64 block = blockIdx.x;
+  const int n0 = static_cast<int>(block % kNTiles) * kBN;
+  const i64 m0 = (block / kNTiles) % kMTiles * kBM;
+  const i64 group = block / (kNTiles * kMTiles);
+
+  const Epilogue ep(p);
+  const Io::type* x = static_cast<const Io::type*>(p.x);
+  const Io::type* w = static_cast<const Io::type*>(p.w);
+  fill_terms<kBN, kThreads>(ep, terms, n0, group);
+  PixelRow rows[kAChunks];
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / 8);
+
+  // Swizzle atoms need 1024-byte alignment; the code generator reserved the slack.
+  const u32 raw = mma::smem_addr(smem);
+  const u32 base = (raw + 1023u) & ~1023u;
+  auto stage = [&](int st) { return base + st * kStageBytes; };
+
+  float acc[kBN / 2];
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < kKTiles) load_stage(x, w, stage(st), rows, st, group, n0, tid);
+    mma::commit_copies();
+  }
+  for (int kt = 0; kt < kKTiles; ++kt) {
+    mma::wait_copies<kStages - 2>();
+    wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
+    __syncthreads();                  // ... and everyone's; stage kt - 1 is no longer read
+    wgmma::fence();
+    multiply_stage(stage(kt % kStages), warpgroup, acc);
+    wgmma::commit();
+    const int next = kt + kStages - 1;  // refill the stage the last k-tile used
+    if (next < kKTiles) load_stage(x, w, stage(next % kStages), rows, next, group, n0, tid);
+    mma::commit_copies();
+    wgmma::wait<0>();
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[i]);
+  }
+  mma::wait_copies<0>();
+  __syncthreads();
+
+  // Accumulators -> shared fp32 tile. wgmma's layout: warp w of the group owns rows 16w..16w+15;
+  // register i holds column 8 (i / 4) + 2 (lane % 4) + i % 2 of row lane / 4 (+ 8 when i % 4 >= 2).
+  float* tile = reinterpret_cast<float*>(smem + (base - raw));
+  const int row0 = warpgroup * 64 + warp_in_group * 16 + lane / 4;
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) {
+    const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+    tile[row * kCPitch + col] = acc[i];
+  }
+  __syncthreads();
+  store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
+                                          static_cast<Io::type*>(p.y));
+}

@@ -1,0 +1,52 @@
+// Hopper warpgroup matrix multiply (wgmma, sm_90a): four warps multiply a 64 x N x 16 tile with
+// both operands read straight from shared memory through matrix descriptors, asynchronously.
+//
+// Shared-memory tiles use the 128-byte swizzle: a tile is built from 1024-byte atoms of
+// 8 rows x 128 bytes, and the 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Atoms
+// must start on 1024-byte boundaries.
+//  - K-major operand (A always; B when the filters are [k][kk]): row = an M (or N) index,
+//    128 bytes = 64 consecutive 16-bit K values. Consecutive 8-row groups are 1024 bytes apart
+//    (the descriptor's stride byte offset); one k16 step = 32 bytes further along the row.
+//  - MN-major B (filters stored [kk][k], k contiguous): row = one K index, 128 bytes = 64
+//    consecutive N values; 8-row K groups 1024 bytes apart (stride byte offset), 64-wide N
+//    blocks `n_block_bytes` apart (leading byte offset); one k16 step = 2048 bytes.
+#pragma once
+
+#ifndef JF_HIP
+
+namespace jaxfuse {
+namespace wgmma {
+
+// Byte offset of 16-bit element (row, col) in a 128-byte-swizzled tile of 64-element rows.
+JF_DEVICE u32 swizzled_offset(u32 row, u32 col) {
+  return row * 128u + ((((col >> 3) ^ row) & 7u) << 4) + (col & 7u) * 2u;
+}
+
+// The 64-bit shared-memory matrix descriptor (128-byte swizzle).
+JF_DEVICE u64 descriptor(u32 smem_address, u32 leading_byte_offset, u32 stride_byte_offset) {
+  u64 d = 0;
+  d |= u64((smem_address & 0x3FFFFu) >> 4);
+  d |= u64((leading_byte_offset >> 4) & 0x3FFFu) << 16;
+  d |= u64((stride_byte_offset >> 4) & 0x3FFFu) << 32;
+  d |= u64(1) << 62;  // swizzle mode 1: 128 bytes
+  return d;
+}
+
+// Orders this thread's earlier shared-memory writes (plain or cp.async) before the tensor
+// cores read them (async proxy); each writing thread issues it before the barrier.
+JF_DEVICE void fence_shared_for_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+JF_DEVICE void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+JF_DEVICE void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int Pending>
+JF_DEVICE void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across an asynchronous multiply.
+JF_DEVICE void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+}  // namespace wgmma
+}  // namespace jaxfuse
+
+#endif  // JF_HIP

@@ -1,0 +1,130 @@
+"""Checks the wgmma building blocks (csrc/kernels/wgmma.h + the generated mma wrapper) on a
+Hopper GPU: one warpgroup multiplies 64 x N x 64 tiles laid out exactly as the conv kernel lays
+them out, for every descriptor convention in question, against a CPU reference.
+
+    python scripts/wgmma_probe.py      # needs nvcc and an sm_90 GPU
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+
+from jaxfuse._extension import extension
+
+KERNELS = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
+
+PROBE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <cuda_fp16.h>
+#include "portable.h"
+#include "mma.h"
+#include "wgmma.h"
+__WGMMA__
+using namespace jaxfuse;
+constexpr int NN = __N__;
+// A: 64 x 64 (m, k) K-major; B: K-major [n][k] or MN-major [k][n]; both 128-byte swizzled.
+__global__ void probe(const u16* a, const u16* b, float* d, int mn_major, u32 lbo, u32 sbo,
+                      u32 kstep_b) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  unsigned char* sa = smem;
+  unsigned char* sb = smem + 64 * 128;
+  for (int i = threadIdx.x; i < 64 * 64; i += blockDim.x) {
+    const int m = i / 64, k = i % 64;
+    *reinterpret_cast<u16*>(sa + wgmma::swizzled_offset(m, k)) = a[i];
+  }
+  for (int i = threadIdx.x; i < NN * 64; i += blockDim.x) {
+    const int n = i / 64, k = i % 64;  // b is given as [n][k]
+    u32 off = mn_major ? (n / 64) * 8192 + wgmma::swizzled_offset(k, n % 64)
+                       : wgmma::swizzled_offset(n, k);
+    *reinterpret_cast<u16*>(sb + off) = b[i];
+  }
+  wgmma::fence_shared_for_async();
+  __syncthreads();
+  float acc[NN / 2];
+  for (int i = 0; i < NN / 2; ++i) acc[i] = 0.f;
+  const u32 a0 = mma::smem_addr(sa), b0 = mma::smem_addr(sb);
+  wgmma::fence();
+  for (int j = 0; j < 4; ++j) {
+    const u64 da = wgmma::descriptor(a0 + 32 * j, 16, 1024);
+    const u64 db = mn_major ? wgmma::descriptor(b0 + kstep_b * j, lbo, sbo)
+                            : wgmma::descriptor(b0 + 32 * j, 16, 1024);
+    wgmma::mma_64xNx16(acc, da, db);
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  const int t = threadIdx.x, w = t / 32, l = t % 32;
+  for (int i = 0; i < NN / 2; ++i) {
+    const int row = 16 * w + l / 4 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (l % 4) + i % 2;
+    d[row * NN + col] = acc[i];
+  }
+}
+int main() {
+  const int nn = NN;
+  u16 *a, *b; float* d;
+  cudaMallocManaged(&a, 64 * 64 * 2); cudaMallocManaged(&b, nn * 64 * 2);
+  cudaMallocManaged(&d, 64 * nn * 4);
+  float *fa = (float*)malloc(64 * 64 * 4), *fb = (float*)malloc(nn * 64 * 4);
+  srand(1);
+  for (int i = 0; i < 64 * 64; ++i) {
+    fa[i] = (rand() % 17 - 8) / 8.f;
+    a[i] = __half_as_ushort(__float2half(fa[i]));
+  }
+  for (int i = 0; i < nn * 64; ++i) {
+    fb[i] = (rand() % 17 - 8) / 8.f;
+    b[i] = __half_as_ushort(__float2half(fb[i]));
+  }
+  cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
+  struct { const char* name; int mn; unsigned lbo, sbo, kstep; } variants[] = {
+    {"K-major B", 0, 16, 1024, 32},
+    {"MN-major B, LBO=n-block SBO=1024", 1, 8192, 1024, 2048},
+    {"MN-major B, LBO=1024 SBO=n-block", 1, 1024, 8192, 2048},
+  };
+  for (auto& v : variants) {
+    cudaMemset(d, 0, 64 * nn * 4);
+    probe<<<1, 128, 96 * 1024>>>(a, b, d, v.mn, v.lbo, v.sbo, v.kstep);
+    cudaError_t e = cudaDeviceSynchronize();
+    double worst = 0;
+    for (int m = 0; m < 64; ++m) for (int n = 0; n < nn; ++n) {
+      double ref = 0; for (int k = 0; k < 64; ++k) ref += fa[m * 64 + k] * fb[n * 64 + k];
+      worst = fmax(worst, fabs(ref - d[m * nn + n]));
+    }
+    printf("N=%d %-36s %s max|err| = %g\n", nn, v.name, e ? cudaGetErrorString(e) : "ok", worst);
+  }
+  return 0;
+}
+"""
+
+
+def main() -> int:
+    ext = extension()
+    status = 0
+    for n in (64, 128, 256):
+        for mn_major in (False, True):
+            src = PROBE.replace("__N__", str(n)).replace(
+                "__WGMMA__", ext.wgmma_function(n, 1, mn_major))
+            if not mn_major:  # only the K-major variant is meaningful with this wrapper
+                src = src.replace('{"MN-major B, LBO=n-block SBO=1024", 1, 8192, 1024, 2048},', "")
+                src = src.replace('{"MN-major B, LBO=1024 SBO=n-block", 1, 1024, 8192, 2048},', "")
+            else:
+                src = src.replace('{"K-major B", 0, 16, 1024, 32},', "")
+            with tempfile.TemporaryDirectory() as tmp:
+                cu, exe = os.path.join(tmp, "probe.cu"), os.path.join(tmp, "probe")
+                with open(cu, "w") as f:
+                    f.write(src)
+                build = subprocess.run(
+                    ["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", KERNELS,
+                     "-o", exe, cu], capture_output=True, text=True)
+                if build.returncode:
+                    print(build.stderr[-3000:])
+                    return 1
+                run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+                print(run.stdout, run.stderr, end="")
+                status |= run.returncode
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
