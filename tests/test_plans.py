@@ -73,6 +73,9 @@ TENSOR_CORE_CASES = [
     Case(c=64, k=48, groups=2, strides=(2, 2), padding="SAME", h=15, w=15, **NHWC),
     Case(c=32, k=32, ops="CNA", bn_mode="per_activation", h=6, w=7, **NHWC),
     Case(c=32, k=64, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), h=20, w=20, **NHWC),
+    # Few channels (the ResNet stem): the reduction is gathered, not copied in 16-byte runs.
+    Case(c=3, k=64, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), h=23, w=21, **NHWC),
+    Case(c=5, k=24, n=3, h=10, w=9, ops="CBNSA", **NHWC),
 ]
 
 

@@ -164,8 +164,10 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool filter_ok = g.filter_layout == FilterLayout::kHWIO ||
                          g.filter_layout == FilterLayout::kOHWI ||
                          (g.filter_layout == FilterLayout::kOIHW && g.r == 1 && g.s == 1);
+  // Channel counts that are not whole 16-wide k-steps are gathered (HWIO filters only).
+  const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO;
   return !device.hip && ArchNumber(device.arch) >= 80 && spec.dtype != DType::kF32 &&
-         spec.layout == Layout::kNHWC && filter_ok && cg % 16 == 0 && kg % 8 == 0 &&
+         spec.layout == Layout::kNHWC && filter_ok && channels_ok && kg % 8 == 0 &&
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
 }
 
@@ -178,6 +180,10 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
   auto ctas = [&](int bm, int bn) {
     return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
   };
+  if (cg % 16 != 0) {  // gathered A: two stages, tiles sized for occupancy
+    return ctas(128, 64) >= sms ? IgemmTile{128, 64, 32, 4, 2, 2, 2}
+                                : IgemmTile{64, 64, 32, 2, 2, 2, 3};
+  }
   // Largest tile that still gives every multiprocessor work.
   if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, bk, 2, 4, 4, 1};
   if (ctas(128, 64) >= sms) return {128, 64, bk, 4, 2, 4, 2};
@@ -190,7 +196,7 @@ struct WgmmaTile {
   int bm, bn, stages, min_blocks;
   int Threads() const { return bm / 64 * 128; }
   int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
-    return std::max(stages * (bm + bn) * 128, bm * (bn + 4) * 4) + 1024;
+    return std::max(stages * (bm + bn) * 128, bm * (bn + 8) * 4) + 1024;
   }
 };
 
@@ -202,17 +208,27 @@ bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
 WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
   auto ctas = [&](int bm, int bn) {
     return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
   };
-  // The widest tile that still occupies every multiprocessor; narrower ones run two or three
-  // CTAs per multiprocessor to hide each other's pipeline bubbles.
-  if (kg >= 256 && ctas(128, 256) >= sms) return {128, 256, 4, 1};
-  if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, 3, 2};
-  if (kg > 64 && ctas(128, 128) >= sms / 2) return {128, 128, 3, 2};
-  if (ctas(128, 64) >= sms) return {128, 64, 4, 2};
-  return {64, 64, 4, 3};
+  // The widest tile that still occupies every multiprocessor. Short reductions (few k-tiles)
+  // are bound by loading and storing, not multiplying: they take narrower tiles, fewer stages
+  // and more CTAs per multiprocessor, so one CTA's epilogue overlaps another's loads.
+  int bm = 64, bn = 64;
+  if (kg >= 256 && k_tiles >= 16 && ctas(128, 256) >= sms) {
+    bm = 128, bn = 256;
+  } else if (kg > 64 && ctas(128, 128) >= sms / 2) {
+    bm = 128, bn = 128;
+  } else if (ctas(128, 64) >= sms) {
+    bm = 128;
+  }
+  WgmmaTile tile{bm, bn, static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 4)), 1};
+  const int per_sm = std::max(1, 227 * 1024 / tile.SmemBytes());
+  const int regs_per_thread = bn / 2 + 56;  // accumulators + addressing and epilogue
+  tile.min_blocks = std::max(1, std::min({per_sm, 65536 / (regs_per_thread * tile.Threads()), 4}));
+  return tile;
 }
 
 std::string WgmmaConstants(const WgmmaTile& t) {
@@ -264,10 +280,13 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
     const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
-    const unsigned table_bytes =
-        spec.c <= kMaxTableChannels ? static_cast<unsigned>(3 * spec.c * sizeof(float)) : 0;
-    // Few enough blocks that building the table is cheap next to the elements each streams.
-    const unsigned grid = std::min(GridFor(elements / lanes / 4 + 1, 256, device),
+    const bool fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
+    const unsigned table_bytes = !fixed_channels && spec.c <= kMaxTableChannels
+                                     ? static_cast<unsigned>(3 * spec.c * sizeof(float))
+                                     : 0;
+    // One vector per thread for small tensors; at most 8 blocks per multiprocessor (each then
+    // streams several vectors, with kUnroll of them in flight).
+    const unsigned grid = std::min(GridFor(elements / lanes + 1, 256, device),
                                    static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
     out.solver = "pointwise";
     out.source = TranslationUnit(spec, "", {"pointwise.cuh"});

@@ -8,9 +8,15 @@
 // Rows are padded by 16 bytes so ldmatrix reads hit distinct banks. The epilogue stages the
 // fp32 tile through shared memory (implicit_gemm.h: store_tile).
 //
+// Few input channels (the 3-channel stem): the reduction index kk = (r, s, c) is flattened and
+// zero-padded to whole k-tiles, and A is gathered element by element through registers (a
+// tap's 3 channels are not a 16-byte run), prefetched one k-tile ahead; B (HWIO, whose rows
+// are exactly kk) still streams in with cp.async.
+//
 // Tile sizes come from the code generator (namespace plan: kBM, kBN, kBK, kWarpsM, kWarpsN,
-// kStages, kMinBlocks, kSmemBytes); it also checks CG % kBK == 0, KG % 8 == 0, and the host
-// falls back to the direct kernel for buffers that are not 16-byte aligned.
+// kStages, kMinBlocks, kSmemBytes); it also checks KG % 8 == 0 (and HWIO filters when
+// CG % kBK != 0), and the host falls back to the direct kernel for buffers that are not
+// 16-byte aligned.
 #pragma once
 
 #include "implicit_gemm.h"
@@ -25,7 +31,9 @@ using namespace implicit_gemm;
 constexpr int kThreads = kWarpsM * kWarpsN * kWarpSize;
 constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;  // one warp's tile
 constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
-constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
+constexpr bool kGatherA = CG % kBK != 0;  // few channels: flattened, gathered reduction
+constexpr i64 kReduction = kTaps * CG;
+constexpr int kKTiles = static_cast<int>((kReduction + kBK - 1) / kBK);
 constexpr i64 kMTiles = (M + kBM - 1) / kBM;
 constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
 
@@ -40,17 +48,49 @@ constexpr int kCPitch = kBN + 4;  // floats: the epilogue's staging tile
 
 constexpr int kAChunksPerRow = kBK / 8;  // 16-byte chunks
 constexpr int kAChunks = kBM * kAChunksPerRow / kThreads;
+// Gathered A: each thread fills kGatherRun consecutive kk of one row.
+constexpr int kGatherThreadsPerRow = kThreads / kBM;
+constexpr int kGatherRun = kBK / (kGatherThreadsPerRow > 0 ? kGatherThreadsPerRow : 1);
 constexpr int kBChunks = kBK * kBN / 8 / kThreads;
 
 static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
 static_assert(kBM * kAChunksPerRow % kThreads == 0, "A chunks split evenly over threads");
 static_assert(kBK * kBN / 8 % kThreads == 0, "B chunks split evenly over threads");
-static_assert(CG % kBK == 0 && kBK % 16 == 0, "a k-tile stays within one filter tap");
-static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
+static_assert(kBK % 16 == 0, "whole mma k-steps");
+static_assert(!kGatherA || (!kFiltersKMajor && kStages == 2), "gathered A: HWIO, two stages");
+static_assert(!kGatherA || (kThreads % kBM == 0 && kGatherRun % 8 == 0), "one row per thread");
+static_assert(KG % 8 == 0 && (kGatherA || C % 8 == 0), "16-byte rows");
 static_assert(kStages * kStage * 2 <= kSmemBytes && kBM * kCPitch * 4 <= kSmemBytes,
               "shared memory budget");
 
-JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow (&rows)[kAChunks], int kt,
+// Gathered A: this thread's kGatherRun consecutive kk of its row, into registers.
+JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, int kt, i64 channel0, int tid,
+                        u16 (&values)[kGatherRun]) {
+  const i64 kk0 = i64(kt) * kBK + (tid % kGatherThreadsPerRow) * kGatherRun;
+#pragma unroll
+  for (int j = 0; j < kGatherRun; ++j) {
+    const i64 kk = kk0 + j;
+    const int tap = static_cast<int>(kk / CG);
+    const Io::type* src = kk < kReduction
+        ? a_source(x, row, tap / static_cast<int>(S), tap % static_cast<int>(S),
+                   channel0 + kk % CG)
+        : nullptr;
+    values[j] = src ? *src : u16(0);
+  }
+}
+
+JF_DEVICE void store_gathered_a(u16* sa, int tid, const u16 (&values)[kGatherRun]) {
+  u16* dst = sa + (tid / kGatherThreadsPerRow) * kAPitch + (tid % kGatherThreadsPerRow) * kGatherRun;
+#pragma unroll
+  for (int j = 0; j < kGatherRun; j += 8) {
+    Vec16 packed;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) reinterpret_cast<u16*>(&packed)[e] = values[j + e];
+    *reinterpret_cast<Vec16*>(dst + j) = packed;
+  }
+}
+
+JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow* rows, int kt,
                       i64 channel0, int tid) {
   const int kk0 = kt * kBK;
   const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
@@ -65,21 +105,22 @@ JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow (&rows)[kAChunk
 }
 
 JF_DEVICE void load_b(const Io::type* w, u16* sb, int kt, i64 group, int n0, int tid) {
-  const int kk0 = kt * kBK;
-  const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+  const i64 kk0 = i64(kt) * kBK;
 #pragma unroll
   for (int i = 0; i < kBChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    int row, col8, k, c;
+    int row, col8, k;
+    i64 kk;
     if (kFiltersKMajor) {  // [k][kk]: a row is one output channel
       row = chunk / (kBK / 8), col8 = chunk % (kBK / 8);
-      k = n0 + row, c = c0 + col8 * 8;
+      k = n0 + row, kk = kk0 + col8 * 8;
     } else {  // [kk][k]: a row is one (tap, c)
       row = chunk / (kBN / 8), col8 = chunk % (kBN / 8);
-      k = n0 + col8 * 8, c = c0 + row;
+      k = n0 + col8 * 8, kk = kk0 + row;
     }
-    const bool ok = k < KG;
-    const Io::type* src = ok ? w + b_offset(group, tap, c, k) : w;
+    const bool ok = k < KG && kk < kReduction;
+    const Io::type* src =
+        ok ? w + b_offset(group, static_cast<int>(kk / CG), kk % CG, k) : w;
     mma::copy16_async(mma::smem_addr(sb + row * kBPitch + col8 * 8), src, ok);
   }
 }
@@ -143,9 +184,13 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
   const Io::type* x = static_cast<const Io::type*>(p.x);
   const Io::type* w = static_cast<const Io::type*>(p.w);
   fill_terms<kBN, kThreads>(ep, terms, n0, group);
-  PixelRow rows[kAChunks];
+  PixelRow rows[kGatherA ? 1 : kAChunks];
+  if (kGatherA) {
+    rows[0] = pixel_row(m0 + tid / kGatherThreadsPerRow);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / kAChunksPerRow);
+    for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / kAChunksPerRow);
+  }
 
   u16* stages = reinterpret_cast<u16*>(smem);
   const i64 channel0 = group * CG;
@@ -157,6 +202,25 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[fm][fn][e] = 0.0f;
 
+  if (kGatherA) {
+    // Two stages; the next k-tile's A is gathered into registers while this one multiplies.
+    u16 values[kGatherRun];
+    gather_a(x, rows[0], 0, channel0, tid, values);
+    load_b(w, stages + kATile, 0, group, n0, tid);
+    mma::commit_copies();
+    for (int kt = 0; kt < kKTiles; ++kt) {
+      u16* stage = stages + (kt % 2) * kStage;
+      store_gathered_a(stage, tid, values);
+      mma::wait_copies<0>();
+      __syncthreads();  // stage kt complete; the other stage's last readers are done
+      if (kt + 1 < kKTiles) {
+        gather_a(x, rows[0], kt + 1, channel0, tid, values);
+        load_b(w, stages + ((kt + 1) % 2) * kStage + kATile, kt + 1, group, n0, tid);
+      }
+      mma::commit_copies();
+      multiply_stage(stage, stage + kATile, acc, warp_m, warp_n, lane);
+    }
+  } else {
   // Pipeline: kStages - 1 k-tiles in flight ahead of the one being multiplied.
 #pragma unroll
   for (int st = 0; st < kStages - 1; ++st) {
@@ -178,6 +242,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     mma::commit_copies();
     const u16* stage = stages + (kt % kStages) * kStage;
     multiply_stage(stage, stage + kATile, acc, warp_m, warp_n, lane);
+  }
   }
   mma::wait_copies<0>();
   __syncthreads();

@@ -32,11 +32,12 @@ constexpr u32 kATileBytes = kBM * 128;
 constexpr u32 kBTileBytes = kBN * 128;
 constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
 constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
-constexpr int kCPitch = kBN + 4;        // floats: the epilogue's staging tile
+constexpr int kCPitch = kBN + 8;  // floats: the epilogue's staging tile (8: no conflicts)
 constexpr int kAChunks = kBM * 8 / kThreads;  // 16-byte chunks per thread per stage
 constexpr int kBChunks = kBN * 8 / kThreads;
 
 static_assert(kBM == 64 || kBM == 128, "one or two warpgroups");
+static_assert(kStages >= 3, "two k-tiles in the multiply, at least one loading");
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
@@ -132,36 +133,42 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
 #pragma unroll
   for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
 
+  // Pipeline: kStages - 2 k-tiles of copies in flight ahead of the multiply, and the multiply of
+  // one k-tile still running while the next is issued. A stage is refilled only after every
+  // warpgroup has waited for the multiply that read it (the wait, then the next barrier).
+  constexpr int kAhead = kStages - 2;
 #pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
+  for (int st = 0; st < kAhead; ++st) {
     if (st < kKTiles) load_stage(x, w, stage(st), rows, st, group, n0, tid);
     mma::commit_copies();
   }
   for (int kt = 0; kt < kKTiles; ++kt) {
-    mma::wait_copies<kStages - 2>();
+    mma::wait_copies<kAhead - 1>();
     wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
-    __syncthreads();                  // ... and everyone's; stage kt - 1 is no longer read
+    __syncthreads();                  // ... and everyone's; stage kt - 2 is no longer read
     wgmma::fence();
     multiply_stage(stage(kt % kStages), warpgroup, acc);
     wgmma::commit();
-    const int next = kt + kStages - 1;  // refill the stage the last k-tile used
+    const int next = kt + kAhead;  // into the stage k-tile kt - 2 used
     if (next < kKTiles) load_stage(x, w, stage(next % kStages), rows, next, group, n0, tid);
     mma::commit_copies();
-    wgmma::wait<0>();
-#pragma unroll
-    for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[i]);
+    wgmma::wait<1>();  // the multiply of k-tile kt - 1 is done; kt's may still run
   }
+  wgmma::wait<0>();
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[i]);
   mma::wait_copies<0>();
   __syncthreads();
 
   // Accumulators -> shared fp32 tile. wgmma's layout: warp w of the group owns rows 16w..16w+15;
-  // register i holds column 8 (i / 4) + 2 (lane % 4) + i % 2 of row lane / 4 (+ 8 when i % 4 >= 2).
+  // registers i, i + 1 (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4
+  // (+ 8 when i % 4 == 2).
   float* tile = reinterpret_cast<float*>(smem + (base - raw));
   const int row0 = warpgroup * 64 + warp_in_group * 16 + lane / 4;
 #pragma unroll
-  for (int i = 0; i < kBN / 2; ++i) {
-    const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
-    tile[row * kCPitch + col] = acc[i];
+  for (int i = 0; i < kBN / 2; i += 2) {
+    const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(tile + row * kCPitch + col) = make_float2(acc[i], acc[i + 1]);
   }
   __syncthreads();
   store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,

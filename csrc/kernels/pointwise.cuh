@@ -13,8 +13,13 @@ namespace kernels {
 
 using namespace plan;
 
-constexpr bool kChannelTable = C <= kMaxTableChannels;
 constexpr int kUnroll = 4;  // 16-byte vectors in flight per thread
+constexpr int kLanes = sizeof(Vec16) / sizeof(Io::type);
+// NHWC with whole channel vectors: each thread keeps one group of kLanes channels for the whole
+// kernel (its stride is a multiple of C / kLanes), so their terms live in registers.
+constexpr bool kFixedChannels = kNHWC && C % kLanes == 0;
+constexpr i64 kVectorsPerPixel = C / kLanes;
+constexpr bool kChannelTable = !kFixedChannels && C <= kMaxTableChannels;
 
 // Channel of the element at flat index i.
 JF_DEVICE i64 input_channel(i64 i) { return kNHWC ? i % C : (i / (H * W)) % C; }
@@ -50,7 +55,6 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
   using namespace jaxfuse::kernels;
   typedef Io::type T;
   extern __shared__ float table[];
-  constexpr int kLanes = sizeof(Vec16) / sizeof(T);
   constexpr i64 kVectors = kOutElements / kLanes;
   // NCHW planes that are a whole number of vectors keep one channel per vector.
   constexpr bool kChannelPerVector = !kNHWC && (H * W) % kLanes == 0;
@@ -58,7 +62,15 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
   const ChannelTerms terms = fill_channel_table(ep, table);
   const Vec16* x = static_cast<const Vec16*>(p.x);
   Vec16* y = static_cast<Vec16*>(p.y);
-  const i64 stride = global_thread_count();
+  i64 stride = global_thread_count();
+  Epilogue::Channel fixed[kFixedChannels ? kLanes : 1];
+  if (kFixedChannels) {
+    stride -= stride % kVectorsPerPixel;
+    if (global_thread_index() >= stride) return;  // the few threads past a whole multiple
+    const i64 c0 = global_thread_index() % kVectorsPerPixel * kLanes;
+#pragma unroll
+    for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = ep.channel(c0 + j);
+  }
   for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
     Vec16 in[kUnroll];
 #pragma unroll
@@ -78,13 +90,15 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
 #pragma unroll
       for (int j = 0; j < kLanes; ++j) {
         const i64 i = first + j;
-        const Epilogue::Channel ch = kChannelPerVector ? shared_channel : terms(input_channel(i));
+        const Epilogue::Channel ch = kFixedChannels     ? fixed[kFixedChannels ? j : 0]
+                                     : kChannelPerVector ? shared_channel
+                                                         : terms(input_channel(i));
         out_lanes[j] = Io::store(ep.apply(Io::load(lanes[j]), ch, i % kPerSample, i));
       }
       y[v] = out;
     }
   }
-  // The few elements past the last whole vector.
+  // The few elements past the last whole vector (none when channels fill whole vectors).
   const T* xs = static_cast<const T*>(p.x);
   T* ys = static_cast<T*>(p.y);
   for (i64 i = kVectors * kLanes + global_thread_index(); i < kOutElements; i += stride) {
