@@ -610,6 +610,46 @@ def test_batch_dimensions_like_flax() -> None:
     assert conv(_input((H, W, C), jnp.float32)).shape == (H, W, K)
 
 
+def test_without_scale_and_biases() -> None:
+    geometry = dict(GEOMETRIES["3x3-same"], use_bias=False)
+    fused, _ = _linen_layers(geometry, "relu", jax.nn.relu, "float32")
+    fused = fused.clone(use_scale=False, bn_use_bias=False)
+    reference = LinenConvBN(dict(features=K, precision=_precision("float32"), **geometry),
+                            dict(momentum=0.9, epsilon=1e-3, use_scale=False, use_bias=False),
+                            jax.nn.relu)
+    x = _input((N, H, W, C), jnp.float32)
+    variables = _variables(fused, x, use_running_average=True)
+    assert _layout(variables) == _layout(_variables(reference, x, use_running_average=True))
+    assert "bn" not in variables["params"] and "bias" not in variables["params"]["conv"]
+    y, _ = _linen_forward(fused, variables, x, True)
+    _assert_close(y, _linen_forward(reference, variables, x, True)[0], jnp.float32, "ConvBNAct")
+    bn = fx.BNAct(C, use_scale=False, use_bias=False, activation=None, rngs=nnx.Rngs(0))
+    bn_ref = nnx.BatchNorm(C, use_scale=False, use_bias=False, rngs=nnx.Rngs(0))
+    nnx.update(bn_ref, _randomized(nnx.state(bn_ref)))
+    nnx.update(bn, nnx.state(bn_ref))
+    _assert_close(bn(x, use_running_average=True), bn_ref(x, use_running_average=True),
+                  jnp.float32, "BNAct")
+
+
+def test_axis_name_averages_statistics_across_devices() -> None:
+    """Training with axis_name under a mapped axis: flax's cross-device mean of the stats."""
+    x = _input((4, 2, H, W, C), jnp.float32)  # 4 "devices" with 2 examples each
+    fused, reference = _linen_layers(GEOMETRIES["3x3-s2-pad1"], "relu", jax.nn.relu, "float32")
+    fused = fused.clone(axis_name="devices")
+    variables = _variables(fused, x[0], use_running_average=True)
+
+    def stats(model: nn.Module, x: jax.Array, **kwargs: Any) -> Any:
+        _, updates = model.apply(variables, x, mutable=["batch_stats"], **kwargs)
+        return updates["batch_stats"]
+
+    mapped = jax.jit(jax.vmap(functools.partial(stats, fused, use_running_average=False),
+                              axis_name="devices"))(x)
+    whole = stats(reference, x.reshape(8, H, W, C), use_running_average=False)
+    # Every device holds the statistics of the whole batch.
+    _assert_close(jax.tree.map(lambda a: a[0], mapped), whole, jnp.float32, "batch_stats")
+    _assert_close(jax.tree.map(lambda a: a[3], mapped), whole, jnp.float32, "batch_stats")
+
+
 def test_param_dtype_bfloat16() -> None:
     fused, reference = _linen_layers(GEOMETRIES["3x3-same"], "relu", jax.nn.relu, "bfloat16",
                                      param_dtype=jnp.bfloat16)
@@ -701,3 +741,13 @@ def test_docstring_examples(module: str) -> None:
 
     result = doctest.testmod(importlib.import_module(f"jaxfuse.flax.{module}"))
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_train_then_serve_example_runs() -> None:
+    import pathlib
+    import runpy
+
+    example = pathlib.Path(__file__).parent.parent / "examples" / "train_then_serve.py"
+    if not example.exists():
+        pytest.skip("examples/ is not next to the tests")
+    runpy.run_path(str(example), run_name="__main__")

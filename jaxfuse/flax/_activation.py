@@ -40,7 +40,7 @@ class Activation:
     alpha: float | None = None
     beta: float | None = None
     gamma: float | None = None
-    fn: Callable[[jax.Array], jax.Array] | None = dataclasses.field(default=None, compare=False)
+    fn: Callable[[jax.Array], jax.Array] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", activation_mode(self.mode))

@@ -69,9 +69,9 @@ def conv_geometry(*, kernel_size: Sequence[int], strides: Any, padding: Any,
         if padding in _PAD_MODES:
             pad_mode, padding = _PAD_MODES[padding], "VALID"
         elif padding not in ("SAME", "VALID"):
-            raise ValueError(f"{owner}: padding {padding!r} is not supported for 2-D "
-                             "convolutions; use 'SAME', 'VALID', 'CIRCULAR', 'REFLECT', an int "
-                             "or a pair of ints or (low, high) pairs")
+            raise ValueError(f"{owner}: padding {padding!r} cannot be fused; use 'SAME', "
+                             "'VALID', 'CIRCULAR', 'REFLECT', an int, or two ints or (low, "
+                             "high) pairs")
     elif isinstance(padding, (int, np.integer)):
         padding = ((int(padding),) * 2,) * 2
     else:
