@@ -78,9 +78,10 @@ DTYPES = ["float32", "bfloat16"]
 
 
 def _conv_bn_cases(train_fp32: list[str], train_bf16: list[str]) -> list[Any]:
-    """Every geometry in both dtypes at inference (the fused path); training runs flax's own
-    layers, so a few geometries suffice there."""
+    """Every geometry in fp32 and bf16 at inference (the fused path), two in fp16; training
+    runs flax's own layers, so a few geometries suffice there."""
     cases = [(g, dt, "eval") for g in GEOMETRIES for dt in DTYPES]
+    cases += [(g, "float16", "eval") for g in ("3x3-s2-pad1", "3x3-groups3")]
     cases += [(g, "float32", "train") for g in train_fp32]
     cases += [(g, "bfloat16", "train") for g in train_bf16]
     return [pytest.param(*case, id="-".join(case)) for case in cases]
@@ -650,15 +651,30 @@ def test_axis_name_averages_statistics_across_devices() -> None:
     _assert_close(jax.tree.map(lambda a: a[3], mapped), whole, jnp.float32, "batch_stats")
 
 
-def test_param_dtype_bfloat16() -> None:
-    fused, reference = _linen_layers(GEOMETRIES["3x3-same"], "relu", jax.nn.relu, "bfloat16",
-                                     param_dtype=jnp.bfloat16)
+@pytest.mark.parametrize("dtype,param_dtype", [("bfloat16", "bfloat16"), (None, "bfloat16"),
+                                               (None, "float32")])
+def test_dtype_promotion_like_flax(dtype: str | None, param_dtype: str) -> None:
+    """bf16 inputs; the computation and result dtypes follow each framework's rule (NNX's
+    batch norm also promotes with its float32 statistics)."""
     x = _input((N, H, W, C), jnp.bfloat16)
+    kwargs = dict(dtype=dtype, param_dtype=param_dtype)
+    fused = fl.ConvBNAct(K, (3, 3), **kwargs)
+    reference = LinenConvBN(dict(features=K, kernel_size=(3, 3), **kwargs), kwargs, jax.nn.relu)
     variables = _variables(fused, x, use_running_average=True)
     y, _ = _linen_forward(fused, variables, x, True)
     y_ref, _ = _linen_forward(reference, variables, x, True)
-    assert y.dtype == y_ref.dtype == jnp.bfloat16
-    _assert_close(y, y_ref, jnp.bfloat16, "output")
+    assert y.dtype == y_ref.dtype
+    _assert_close(y, y_ref, jnp.bfloat16, "linen output")
+
+    fused = fx.ConvBNAct(C, K, (3, 3), **kwargs, rngs=nnx.Rngs(0))
+    reference = NnxConvBN(dict(kernel_size=(3, 3), **kwargs), kwargs, jax.nn.relu,
+                          rngs=nnx.Rngs(0))
+    nnx.update(reference, _randomized(nnx.state(reference)))
+    nnx.update(fused, nnx.state(reference))
+    y, y_ref = fused(x, use_running_average=True), reference.act(
+        reference.bn(reference.conv(x), use_running_average=True))
+    assert y.dtype == y_ref.dtype
+    _assert_close(y, y_ref, jnp.bfloat16, "nnx output")
 
 
 def test_import_jaxfuse_does_not_import_flax() -> None:
