@@ -2,9 +2,15 @@
 
 ``jaxfuse.flax.linen`` and ``jaxfuse.flax.nnx`` each provide ``ConvBNAct``, ``ConvAct`` and
 ``BNAct``. Their variables are laid out exactly as the unfused Flax layers they replace, so
-checkpoints load either way; see the two modules for the layout. Flax is an optional
-dependency (``pip install "jaxfuse[flax]"``): ``import jaxfuse`` does not import it, this
-package does.
+checkpoints load either way; see the two modules for the layout.
+
+Training runs flax's own layers: batch statistics must be reduced over the whole conv output
+before anything can be normalized, so conv and batch norm cannot share one pass, and XLA
+already fuses the elementwise normalize + activation. Inference, with the running statistics,
+is one pointwise epilogue on the conv, which is where the fused kernel pays.
+
+Flax is an optional dependency (``pip install "jaxfuse[flax]"``): ``import jaxfuse`` does not
+import it, this package does.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class ConvBNAct(nn.Module):
           x: the input, channels last.
           use_running_average: True normalizes with the stored statistics (inference, fused);
             False with the batch's statistics, updating ``batch_stats`` (training, which must
-            be mutable). Overrides nothing: set it here or as an attribute, not both.
+            be mutable). Set it here or as the attribute, not both (flax's rule).
         """
         use_running_average = nn.merge_param("use_running_average", self.use_running_average,
                                              use_running_average)
