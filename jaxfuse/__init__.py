@@ -25,6 +25,7 @@ from .ops import (
     SideInputAddOp,
 )
 from .plan import FusionPlan
+from .rewrite import FusionReport, fuse, fusion_report
 from .support import supported_chains
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "ConvForwardOp",
     "FusionError",
     "FusionPlan",
+    "FusionReport",
     "OperatorArgs",
     "SideInputAddOp",
     "TensorDesc",
@@ -49,5 +51,7 @@ __all__ = [
     "conv_batchnorm_activation",
     "conv_bias_activation",
     "conv_bias_batchnorm_activation",
+    "fuse",
+    "fusion_report",
     "supported_chains",
 ]

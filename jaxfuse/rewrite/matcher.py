@@ -20,7 +20,14 @@ from ..errors import FusionError
 from .graph import Graph, Node, Value, call_name
 from .patterns import Operand, Step, candidate_steps
 
-__all__ = ["ConvInfo", "Group", "Skipped", "find_groups"]
+__all__ = ["POINTWISE", "ConvInfo", "Group", "Skipped", "find_groups"]
+
+# Elementwise primitives: a chain that stops before one of these may be missing a form.
+POINTWISE = frozenset({
+    "abs", "add", "clamp", "convert_element_type", "cos", "div", "eq", "erf", "erf_inv", "exp",
+    "exp2", "expm1", "ge", "gt", "integer_pow", "is_finite", "le", "log", "log1p", "logistic",
+    "lt", "max", "min", "mul", "ne", "neg", "pow", "rsqrt", "select_n", "sign", "sin", "sqrt",
+    "square", "sub", "tan", "tanh"})
 
 _DATA_LAYOUTS = {(0, 1, 2, 3): "NCHW", (0, 3, 1, 2): "NHWC"}
 _FILTER_LAYOUTS = {(0, 1, 2, 3): "OIHW", (3, 2, 0, 1): "HWIO", (0, 3, 1, 2): "OHWI"}
@@ -95,11 +102,9 @@ def find_groups(g: Graph, build_plan: Any) -> tuple[list[Group], list[Skipped]]:
             skipped.append(Skipped(node, info))
             continue
         steps, stop = _grow(g, node, info)
-        group = _longest_prefix(g, node, info, steps, stop, build_plan)
+        group = _longest_prefix(g, node, info, steps, stop, build_plan, claimed)
         if isinstance(group, str):
             skipped.append(Skipped(node, group))
-        elif group.tops & claimed:  # cannot happen for disjoint chains; be safe
-            skipped.append(Skipped(node, "its chain overlaps another fused chain"))
         else:
             claimed |= group.tops
             groups.append(group)
@@ -179,7 +184,10 @@ def _grow(g: Graph, conv: Node, info: ConvInfo) -> tuple[list[Step], str | None]
                 break
             problems.append(leak)
         if chosen is None:
-            return steps, _why_not(g, x, steps, problems)
+            reason = _why_not(g, x, steps, problems)
+            if steps and not all(u.name in POINTWISE for u in x.users):
+                return steps, None  # a natural end: some non-pointwise op needs the value
+            return steps, reason
         steps.append(chosen)
         x = chosen.out
 
@@ -204,33 +212,36 @@ def _escape(step: Step) -> str | None:
 
 def _why_not(g: Graph, x: Value, steps: list[Step], problems: list[str]) -> str:
     what = _what(steps)
-    tops = {u.top for u in x.users}
-    if len(tops) > 1:
-        names = ", ".join(sorted({u.name for u in x.users}))
-        return (f"{what} is used by {len(x.users)} operations ({names}), so it must stay "
-                "materialized")
+    users = set(x.users)
     if problems:
         return problems[0]
-    name = call_name(g.jaxpr.eqns[tops.pop()])
-    return (f"{what} feeds `{name}`, which is not a bias, batch norm, residual add or plan "
-            "activation")
+    names = ", ".join(f"`{n}`" for n in sorted({u.name for u in users}))
+    tops = {u.top for u in users}
+    if len(tops) > 1:
+        return f"{what} is used by {len(users)} operations ({names}), so it must stay " \
+               "materialized"
+    eqn = g.jaxpr.eqns[tops.pop()]
+    if eqn.primitive.name not in POINTWISE:  # a single op or a wrapped call such as jit(silu)
+        names = f"`{call_name(eqn)}`"
+    return (f"{what} feeds {names}, which is not a recognized bias, batch norm, residual add "
+            "or activation")
 
 
 # ----- choosing the prefix --------------------------------------------------------------------
 def _longest_prefix(g: Graph, conv: Node, info: ConvInfo, steps: list[Step], stop: str | None,
-                    build_plan: Any) -> Group | str:
+                    build_plan: Any, claimed: set[int]) -> Group | str:
     reason = stop
     for k in range(len(steps), 0, -1):
         prefix = steps[:k]
-        result = _as_group(g, conv, info, prefix, build_plan)
+        result = _as_group(g, conv, info, prefix, build_plan, claimed)
         if isinstance(result, Group):
             return dataclasses.replace(result, stop=reason)
         reason = result
     return reason or "nothing follows the convolution"
 
 
-def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step],
-              build_plan: Any) -> Group | str:
+def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step], build_plan: Any,
+              claimed: set[int]) -> Group | str:
     end = prefix[-1].out
     if all(s.kind in ("cast", "nop") for s in prefix):
         return "only casts follow the convolution; there is nothing to fuse"
@@ -239,6 +250,9 @@ def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step],
                 f"(`{g.jaxpr.eqns[end.producer.top].primitive.name}`)")
     nodes = {conv}.union(*(s.nodes for s in prefix))
     tops = frozenset(n.top for n in nodes)
+    if tops & claimed:  # e.g. two branches meeting in one residual add: the first takes it
+        return (f"`{prefix[-1].label}` is already fused into the chain of another "
+                "convolution")
     for top in tops:
         eqn = g.jaxpr.eqns[top]
         if eqn.effects:
@@ -294,6 +308,15 @@ def _assign_ops(steps: list[Step]) -> tuple[PlanOp, ...] | str:
         if not run:
             return None
         pure_add = all(s.op in ("add", "sub") for s in run)
+        # A bias added before a batch norm stays a bias operator (``+ b`` then ``- mean``).
+        lead = 0
+        while lead < len(run) and run[lead].op == "add":
+            lead += 1
+        if not pure_add and lead > 0 and not used & {"B", "N"}:
+            take("B", run[:lead])
+            take("N", run[lead:])
+            run.clear()
+            return None
         if (pure_add and take("B", run)) or take("N", run):
             run.clear()
             return None

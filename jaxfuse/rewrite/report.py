@@ -36,7 +36,8 @@ class FusedGroup:
       kernel: the plan signature (dtype, layout, shape, filter).
       where: the convolution's module path (flax name stack) and source line.
       scope: the nested body it sits in (``"jit(f)/scan"``), empty at the top level.
-      stopped: why the chain ends there, or None when its value simply has no pointwise user.
+      stopped: why the chain ends there, or None at a natural end (the value is returned, or an
+        operation that is not pointwise needs it, such as the next convolution).
     """
 
     ops: tuple[str, ...]
@@ -76,6 +77,18 @@ class FusionReport:
 
     def __len__(self) -> int:
         return len(self.fused)
+
+    def summary(self) -> str:
+        """A few lines: how many chains of each kind were fused, and every chain left alone."""
+        kinds: dict[tuple[str, tuple[str, ...]], int] = {}
+        for g in self.fused:
+            kinds[(g.plan, g.ops)] = kinds.get((g.plan, g.ops), 0) + 1
+        lines = [f"jaxfuse: {len(self.fused)} chain(s) fused, {len(self.left_alone)} left alone"]
+        for (plan, ops), n in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {n:4d} x {plan:<6} {' -> '.join(ops)}")
+        for s in self.left_alone:
+            lines.append(f"  left  {s.op} at {s.where}: {s.reason}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         lines = [f"jaxfuse: {len(self.fused)} chain(s) fused, {len(self.left_alone)} left alone"]
@@ -158,7 +171,7 @@ def _where(eqn: JaxprEqn) -> str:
     """The module path (flax's name stack) and the innermost line outside flax and jaxfuse."""
     stack = str(eqn.source_info.name_stack)
     frames = siu.summarize(eqn.source_info, num_frames=32).split("\n")  # outermost first
-    libraries = [os.path.dirname(os.path.dirname(__file__))]
+    libraries = [os.path.dirname(__file__)]
     if "flax" in sys.modules:
         libraries.append(os.path.dirname(sys.modules["flax"].__file__))
     frame = next((f for f in reversed(frames) if not any(f.startswith(d) for d in libraries)),

@@ -1,0 +1,1 @@
+"""Benchmark models and tools for jaxfuse."""
