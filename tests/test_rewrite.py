@@ -376,3 +376,17 @@ def test_report_text() -> None:
     assert "conv -> bias add -> relu" in text
     assert "test_rewrite.py" in report.fused[0].where
     assert "1 x CBA" in report.summary()
+
+
+def test_rounding_midway_is_not_skipped() -> None:
+    # float32 conv, rounded to bfloat16 before the activation: fusing would compute the relu in
+    # float32 and lose that rounding, so the chain is left alone; rounding at the end is kept.
+    layer = Layer(seed=17)
+
+    def midway(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.nn.relu(layer.conv(x, w).astype(jnp.bfloat16)).astype(jnp.float32)
+
+    report = check(midway, layer.x, layer.w, plans=[], dtype="float32")
+    assert "midway" in report.left_alone[0].reason
+    at_end = lambda x, w: jax.nn.relu(layer.conv(x, w)).astype(jnp.bfloat16)  # noqa: E731
+    check(at_end, layer.x, layer.w, plans=["CA"], dtype="bfloat16")

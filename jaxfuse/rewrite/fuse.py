@@ -23,7 +23,7 @@ from .graph import Graph, Value, call_name
 from .lowering import build_plan, emit
 from .matcher import Group, Skipped, find_groups
 
-__all__ = ["Recorder", "fuse", "recording", "trace"]
+__all__ = ["Recorder", "Rewriter", "StaticArgs", "fuse", "recording", "trace"]
 
 # Primitives whose bodies are rewritten, and how a scope inside them is labelled in reports.
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
@@ -82,7 +82,7 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     if fn is None:
         return functools.partial(fuse, static_argnums=static_argnums,
                                  static_argnames=static_argnames)
-    statics = _Statics(static_argnums, static_argnames)
+    statics = StaticArgs(static_argnums, static_argnames)
 
     @functools.wraps(fn)
     def fused(*args: Any, **kwargs: Any) -> Any:
@@ -94,13 +94,15 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     return fused
 
 
-class _Statics:
+class StaticArgs:
+    """Which arguments of the fused function are static (hashable Python values)."""
+
     def __init__(self, argnums: int | Sequence[int], argnames: str | Sequence[str]):
         self.argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         self.argnames = (argnames,) if isinstance(argnames, str) else tuple(argnames)
 
 
-def trace(fn: Callable[..., Any], statics: _Statics, args: tuple[Any, ...],
+def trace(fn: Callable[..., Any], statics: StaticArgs, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[ClosedJaxpr, Any, list[Any]]:
     """Traces `fn` with its non-static arguments abstract: (jaxpr, output tree, flat args)."""
     nums = {i % len(args) for i in statics.argnums if -len(args) <= i < len(args)}

@@ -22,6 +22,9 @@ _WRAPPERS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
              "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
              "custom_vjp_call": "call_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 
+# Constants are read (to find a 0.0 or a 6.0) only up to this size.
+_MAX_CONSTANT_SIZE = 1 << 16
+
 # Structural ops that keep a constant constant (used to read scalars such as 0.0 or 6.0).
 _CONST_PASSTHROUGH = ("convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
                       "expand_dims", "copy")
@@ -170,6 +173,8 @@ class Graph:
         if value.literal is not None:
             return np.asarray(value.literal)
         if value.const is not None:
+            if int(np.prod(value.shape)) > _MAX_CONSTANT_SIZE:
+                return None  # a closed-over weight, not a scalar written in the program
             try:
                 return np.asarray(value.const)
             except Exception:  # a tracer closed over from an outer trace is not a constant

@@ -231,13 +231,17 @@ def _why_not(g: Graph, x: Value, steps: list[Step], problems: list[str]) -> str:
 def _longest_prefix(g: Graph, conv: Node, info: ConvInfo, steps: list[Step], stop: str | None,
                     build_plan: Any, claimed: set[int]) -> Group | str:
     reason = stop
+    longest = None  # why the whole chain cannot fuse: the reason to give if nothing does
     for k in range(len(steps), 0, -1):
         prefix = steps[:k]
         result = _as_group(g, conv, info, prefix, build_plan, claimed)
         if isinstance(result, Group):
             return dataclasses.replace(result, stop=reason)
         reason = result
-    return reason or "nothing follows the convolution"
+        longest = longest or result
+    if all(s.kind in ("cast", "nop") for s in steps):  # the stop says more than "only casts"
+        return stop or longest or "nothing follows the convolution"
+    return longest or stop or "nothing follows the convolution"
 
 
 def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step], build_plan: Any,
@@ -261,6 +265,10 @@ def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step], build_pl
             if value is not end and value.producer not in nodes:
                 return (f"`{eqn.primitive.name}` computes more than the chain; fusing it "
                         "would drop its other results")
+    for step in prefix[:-1]:
+        if step.kind == "cast" and step.out.dtype not in (info.dtype, np.float32):
+            return (f"the chain rounds to {step.out.dtype.name} midway; the fused kernel "
+                    f"computes in float32 and would skip that rounding")
     prefix = [_side_from_plan_dtype(s, info.dtype) for s in prefix]
     for step in prefix:
         if isinstance(step, str):

@@ -311,6 +311,8 @@ def _classify(g: Graph, x: Value, out: Value, nodes: frozenset[Node], label: str
     if not jnp.issubdtype(out.dtype, jnp.floating):
         return f"`{label}` produces {out.dtype.name} values"
     kind = built["kind"]
+    if label == "reshape" and out.producer.params.get("dimensions") is not None:
+        return "`reshape` with `dimensions` transposes its operand"
     if kind == "nop" or kind == "cast":
         return Step(kind, label, nodes, out)
     if kind == "activation":

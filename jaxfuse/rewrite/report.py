@@ -19,7 +19,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from ..primitive import fused_chain_p
-from .fuse import Rewriter, _Statics, recording, trace
+from .fuse import Rewriter, StaticArgs, recording, trace
 from .lowering import build_plan
 from .matcher import Group, PlanOp, Skipped
 
@@ -112,7 +112,7 @@ def fusion_report(fn: Callable[..., Any], *example_args: Any,
     `fn` may be a plain function or the result of :func:`jaxfuse.fuse` (whose static arguments
     are then honored). Nothing is executed; plans are compiled.
     """
-    target, statics = getattr(fn, "__jaxfuse_fuse__", (fn, _Statics((), ())))
+    target, statics = getattr(fn, "__jaxfuse_fuse__", (fn, StaticArgs((), ())))
     closed, _, flat = trace(target, statics, example_args, example_kwargs)
     with recording() as recorder:
         rewriter = Rewriter(recorder)
