@@ -23,9 +23,16 @@ import numpy as np
 import jaxfuse
 from jaxfuse.bench.models import mobilenet, random_variables, resnet50
 
-# Fused and unfused results differ by rounding only; this bound is far above that and catches
-# a wrong rewrite, not a rounding difference.
-SANITY_BOUND = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+# In float32, fused and unfused results differ by rounding only; this bound is far above that
+# and catches a wrong rewrite. In float16/bfloat16 fifty layers of rounding make both drift from
+# the float32 network, so there the fused model must drift no further than the unfused one does.
+FLOAT32_BOUND = 1e-4
+DRIFT_SLACK = 1.25
+
+
+def relative_error(got: jax.Array, want: jax.Array) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
@@ -47,11 +54,17 @@ def run(name: str, model: Any, x: jax.Array, repeats: int, verbose: bool) -> Non
 
     unfused = jax.jit(model.apply)
     fused = jax.jit(jaxfuse.fuse(model.apply))
-    want = np.asarray(unfused(variables, x), np.float64)
-    got = np.asarray(fused(variables, x), np.float64)
-    error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-    ok = error <= SANITY_BOUND[x.dtype.name]
-    print(f"relative error fused vs unfused: {error:.2e} ({'ok' if ok else 'MISMATCH'})")
+    if x.dtype == jnp.float32:
+        error = relative_error(fused(variables, x), unfused(variables, x))
+        ok = error <= FLOAT32_BOUND
+        print(f"relative error fused vs unfused: {error:.2e} ({'ok' if ok else 'MISMATCH'})")
+    else:
+        truth = jax.jit(model.clone(dtype=jnp.float32).apply)(variables, x.astype(jnp.float32))
+        drift_unfused = relative_error(unfused(variables, x), truth)
+        drift_fused = relative_error(fused(variables, x), truth)
+        ok = drift_fused <= DRIFT_SLACK * drift_unfused
+        print(f"relative error vs the float32 model: unfused {drift_unfused:.2e}, fused "
+              f"{drift_fused:.2e} ({'ok' if ok else 'MISMATCH'})")
     t_unfused = median_seconds(unfused, variables, x, repeats=repeats)
     t_fused = median_seconds(fused, variables, x, repeats=repeats)
     print(f"time per call (jit, median of {repeats}): unfused {t_unfused * 1e3:.2f} ms, "
@@ -66,7 +79,7 @@ def main() -> None:
                         help="full size: 224x224 images, batch 8")
     parser.add_argument("--size", type=int, default=None, help="image height and width")
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--dtype", default="float32", choices=sorted(SANITY_BOUND))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--verbose", action="store_true", help="print every fused chain")
     args = parser.parse_args()

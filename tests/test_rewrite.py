@@ -318,6 +318,16 @@ def test_nested_jaxprs(name: str) -> None:
     assert scope in report.fused[0].scope
 
 
+@pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="needs jax.shard_map")
+def test_bodies_that_are_not_searched_are_reported() -> None:
+    mesh = jax.make_mesh((1,), ("d",))
+    spec = jax.sharding.PartitionSpec()
+    fn = jax.jit(jax.shard_map(_block(_NESTED), mesh=mesh, in_specs=spec, out_specs=spec))
+    report = check(fn, _NESTED.x, plans=[], dtype="float32")
+    (left,) = report.left_alone
+    assert left.op == "shard_map" and "not searched" in left.reason
+
+
 def test_around_jit_eager_and_decorator() -> None:
     layer = Layer(seed=12)
     block = lambda x, w, b: jax.nn.relu(layer.conv(x, w) + b)  # noqa: E731

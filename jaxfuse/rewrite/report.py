@@ -168,14 +168,19 @@ def _op_label(op: PlanOp) -> str:
 
 
 def _where(eqn: JaxprEqn) -> str:
-    """The module path (flax's name stack) and the innermost line outside flax and jaxfuse."""
+    """The module path (flax's name stack) and the innermost source lines outside flax and
+    jaxfuse: one line under a name stack, else the line and its caller (helpers are common)."""
     stack = str(eqn.source_info.name_stack)
     frames = siu.summarize(eqn.source_info, num_frames=32).split("\n")  # outermost first
     libraries = [os.path.dirname(__file__)]
     if "flax" in sys.modules:
         libraries.append(os.path.dirname(sys.modules["flax"].__file__))
-    frame = next((f for f in reversed(frames) if not any(f.startswith(d) for d in libraries)),
-                 frames[-1] if frames else "unknown")
+    user = [f for f in frames if not any(f.startswith(d) for d in libraries)] or frames[-1:]
+    shown = [_short(f) for f in user[-1 if stack else -2:] if f]
+    where = " > ".join(shown) if shown else "unknown source line"
+    return f"{stack} ({where})" if stack else where
+
+
+def _short(frame: str) -> str:
     path, _, rest = frame.partition(":")
-    frame = f"{os.path.basename(path)}:{rest}" if rest else frame
-    return f"{stack} ({frame})" if stack else frame
+    return f"{os.path.basename(path)}:{rest}" if rest else frame
