@@ -154,9 +154,6 @@ class Graph:
         self.nodes.append(node)
         return node.outputs
 
-    def value(self, var: Var) -> Value:
-        return self.values[var]
-
     # ----- constants --------------------------------------------------------------------------
     def uniform_constant(self, value: Value) -> float | None:
         """The number every element of `value` equals, when that is known at trace time."""
@@ -195,6 +192,3 @@ class Graph:
                 expanded[dst] = inner.shape[src]
             return np.broadcast_to(inner.reshape(expanded), shape)
         return np.reshape(inner, value.shape)
-
-    def scope_inputs(self) -> list[Value]:
-        return [self.values[v] for v in self.jaxpr.invars]
