@@ -91,6 +91,7 @@ ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], str]] = {
     "clip(y, min=0)": (lambda y: jnp.clip(y, min=0.0), "relu"),
     "minimum(relu(y), 3)": (lambda y: jnp.minimum(jax.nn.relu(y), 3.0), "clipped_relu"),
     "where(y > 0, y, 0.1 y)": (lambda y: jnp.where(y > 0, y, 0.1 * y), "leaky_relu"),
+    "where(y < 0, 0, y)": (lambda y: jnp.where(y < 0, 0.0, y), "relu"),
     "maximum(y, 0.1 y)": (lambda y: jnp.maximum(y, 0.1 * y), "leaky_relu"),
     "1 / (1 + exp(-y))": (lambda y: 1 / (1 + jnp.exp(-y)), "logistic"),
     "log1p(exp(y))": (lambda y: jnp.log1p(jnp.exp(y)), "softrelu"),

@@ -229,6 +229,7 @@ _TEMPLATES: tuple[_Template, ...] = (
     _Template("reshape", op("reshape", X), _simple("nop")),
     # Activations.
     _Template("relu", comm("max", X, ZERO), _activation(ActivationMode.RELU)),
+    _Template("relu", _where_positive(X, X, ZERO), _activation(ActivationMode.RELU)),
     _Template("clip", comm("min", comm("max", X, ZERO), _Param("hi")),
               _activation(ActivationMode.CLIPPED_RELU, "hi")),
     _Template("clip", op("clamp", ZERO, X, _Param("hi")),
