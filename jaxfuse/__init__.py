@@ -26,6 +26,7 @@ from .ops import (
     SideInputAddOp,
 )
 from .plan import FusionPlan
+from .rewrite import FusionReport, fuse, fusion_report
 from .support import supported_chains
 from .transforms import export_disabled_checks
 
@@ -43,6 +44,7 @@ __all__ = [
     "ConvForwardOp",
     "FusionError",
     "FusionPlan",
+    "FusionReport",
     "OperatorArgs",
     "SideInputAddOp",
     "TensorDesc",
@@ -55,5 +57,7 @@ __all__ = [
     "conv_bias_activation",
     "conv_bias_batchnorm_activation",
     "export_disabled_checks",
+    "fuse",
+    "fusion_report",
     "supported_chains",
 ]

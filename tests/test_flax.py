@@ -29,10 +29,6 @@ from jaxfuse.flax import nnx as fx
 N, C, H, W, K = 2, 6, 9, 9, 12
 DEVICE = jax.devices()[0]
 
-# Gradients through the fused op (inference mode) need its differentiation rules, which
-# jaxfuse.transforms adds; until then jax raises NotImplementedError, and only that is expected.
-NEEDS_TRANSFORMS = pytest.mark.xfail(raises=NotImplementedError, strict=False,
-                                     reason="needs the transforms branch (fused op JVP rule)")
 
 
 def _power(y: jax.Array) -> jax.Array:
@@ -430,7 +426,6 @@ def test_nnx_conv_act_and_bn_act(dtype: str) -> None:
 
 
 # ----- gradients through the fused op (inference mode) -----------------------------------------
-@NEEDS_TRANSFORMS
 def test_eval_gradients_linen_conv_bn_act() -> None:
     fused, reference = _linen_layers(GEOMETRIES["3x3-s2-pad1"], "elu", jax.nn.elu, "float32")
     x = _input((N, H, W, C), jnp.float32)
@@ -441,7 +436,6 @@ def test_eval_gradients_linen_conv_bn_act() -> None:
     _assert_close(grads, grads_ref, jnp.float32, "gradient")
 
 
-@NEEDS_TRANSFORMS
 def test_eval_gradients_nnx_conv_bn_act() -> None:
     fused, reference = _nnx_layers(GEOMETRIES["3x3-groups3"], "relu", jax.nn.relu, "float32")
     state = _randomized(nnx.state(reference))
@@ -455,7 +449,6 @@ def test_eval_gradients_nnx_conv_bn_act() -> None:
                   "gradient")
 
 
-@NEEDS_TRANSFORMS
 def test_eval_gradients_conv_act_and_bn_act() -> None:
     x = _input((N, H, W, C), jnp.float32)
     ct = _input((N, H, W, K), jnp.float32, seed=2)

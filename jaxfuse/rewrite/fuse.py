@@ -1,0 +1,278 @@
+"""``jaxfuse.fuse``: trace a function, replace its convolution chains with fused calls, run it.
+
+The traced jaxpr is evaluated equation by equation under whatever trace calls the fused function
+(eager, ``jax.jit``, ``vmap``...). Each matched group is replaced by one fused call, emitted where
+the group's last equation was; every other equation is bound again as it was, with its source
+information. Call-like and control-flow equations (jit, custom_jvp/vjp calls, scan, cond, while,
+remat) get their bodies rewritten the same way and are bound again with the new bodies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.extend import source_info_util as siu
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
+
+from .graph import Graph, Value, call_name
+from .lowering import build_plan, emit
+from .matcher import Group, Skipped, find_groups
+
+__all__ = ["Recorder", "Rewriter", "StaticArgs", "fuse", "recording", "trace"]
+
+# Primitives whose bodies are rewritten, and how a scope inside them is labelled in reports.
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}
+_CONTROL = {"scan", "cond", "while"}
+_REMAT = {"remat2", "checkpoint"}
+# Parameters of those primitives that hold a body to rewrite (others, e.g. a custom rule's
+# jaxpr thunks, keep the original definition).
+_BODY_PARAMS = {"jaxpr", "call_jaxpr", "branches", "cond_jaxpr", "body_jaxpr"}
+
+
+class Recorder:
+    """Collects what the rewrite did in every scope (for :func:`jaxfuse.fusion_report`)."""
+
+    def __init__(self) -> None:
+        self.scopes: list[tuple[str, list[Group], list[Skipped]]] = []
+        self.notes: list[tuple[str, JaxprEqn, str]] = []
+
+
+_recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
+    "jaxfuse_rewrite_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorder]:
+    """Records every scope rewritten inside the block."""
+    recorder = Recorder()
+    token = _recorder.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _recorder.reset(token)
+
+
+def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
+         static_argnames: str | Sequence[str] = ()) -> Any:
+    """Returns `fn` with every convolution chain it computes replaced by one fused kernel.
+
+    A chain is a ``lax.conv_general_dilated`` (as ``flax.linen.Conv``, ``flax.nnx.Conv`` or
+    hand-written code produce it) followed by any of: a per-channel bias add, batch-norm
+    inference (written out, or as flax's BatchNorm computes it in eval mode, or pre-folded to
+    ``y * a + c``), a residual add, and an activation (relu, relu6/clip, leaky relu, elu,
+    sigmoid, tanh, softplus, abs). Intermediate values used elsewhere keep the chain unfused at
+    that point. Results match `fn` up to rounding.
+
+    The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
+    ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
+    `static_argnames`, as for ``jax.jit``. Works as a decorator.
+
+    >>> import jax, jax.numpy as jnp, jaxfuse
+    >>> @jaxfuse.fuse
+    ... def layer(x, w, b):
+    ...     y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+    ...     return jax.nn.relu(y + b[None, :, None, None])
+    >>> y = layer(jnp.ones((1, 4, 8, 8)), jnp.ones((8, 4, 3, 3)), jnp.ones(8))
+    """
+    if fn is None:
+        return functools.partial(fuse, static_argnums=static_argnums,
+                                 static_argnames=static_argnames)
+    statics = StaticArgs(static_argnums, static_argnames)
+
+    @functools.wraps(fn)
+    def fused(*args: Any, **kwargs: Any) -> Any:
+        closed, out_tree, flat = trace(fn, statics, args, kwargs)
+        outs = Rewriter(_recorder.get()).evaluate(closed.jaxpr, closed.consts, flat)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    fused.__jaxfuse_fuse__ = (fn, statics)  # type: ignore[attr-defined]
+    return fused
+
+
+class StaticArgs:
+    """Which arguments of the fused function are static (hashable Python values)."""
+
+    def __init__(self, argnums: int | Sequence[int], argnames: str | Sequence[str]):
+        self.argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        self.argnames = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+
+
+def trace(fn: Callable[..., Any], statics: StaticArgs, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> tuple[ClosedJaxpr, Any, list[Any]]:
+    """Traces `fn` with its non-static arguments abstract: (jaxpr, output tree, flat args)."""
+    nums = {i % len(args) for i in statics.argnums if -len(args) <= i < len(args)}
+    dynamic = [a for i, a in enumerate(args) if i not in nums]
+    dyn_kwargs = {k: v for k, v in kwargs.items() if k not in statics.argnames}
+    flat, in_tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+
+    def flat_fn(*leaves: Any) -> Any:
+        dyn_args, dyn_kw = jax.tree_util.tree_unflatten(in_tree, leaves)
+        it = iter(dyn_args)
+        full = [args[i] if i in nums else next(it) for i in range(len(args))]
+        return fn(*full, **{**kwargs, **dyn_kw})
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*flat)
+    return closed, jax.tree_util.tree_structure(out_shape), flat
+
+
+class Rewriter:
+    """Evaluates jaxprs with their convolution chains fused; rewrites nested bodies once."""
+
+    def __init__(self, recorder: Recorder | None = None):
+        self.recorder = recorder
+        self._bodies: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
+        self._scope: list[str] = []
+        self._conv_inside: dict[int, tuple[Jaxpr, bool]] = {}
+
+    # ----- one scope --------------------------------------------------------------------------
+    def evaluate(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        groups: list[Group] = []
+        g = None
+        if any(e.primitive.name == "conv_general_dilated" for e in jaxpr.eqns):
+            g = Graph(jaxpr, list(consts))
+            groups, skipped = find_groups(g, build_plan)
+            if self.recorder is not None:
+                self.recorder.scopes.append(("/".join(self._scope), groups, skipped))
+        consumed = set().union(*(group.tops for group in groups))
+        emit_at = {group.emit_at: group for group in groups}
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        inner: dict[Value, Any] = {}
+
+        def read(value: Value) -> Any:
+            for var in value.top_vars:
+                if var in env:
+                    return env[var]
+            if value.literal is not None:
+                return value.literal
+            if value.const is not None:
+                return value.const
+            if value not in inner:  # an off-chain value inside a replaced wrapper: compute it
+                node = value.producer
+                outs = _bind(node.eqn, [read(v) for v in node.inputs])
+                inner.update(zip(node.outputs, outs))
+            return inner[value]
+
+        for index, eqn in enumerate(jaxpr.eqns):
+            if index in emit_at:
+                group = emit_at[index]
+                with _source_context(group.conv.eqn):
+                    result = emit(group, read, g)
+                for var in group.out.top_vars:
+                    env[var] = result
+                continue
+            if index in consumed:
+                continue
+            invals = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
+            outs = self._bind_rewritten(eqn, invals)
+            for var, val in zip(eqn.outvars, outs):
+                if not isinstance(var, DropVar):
+                    env[var] = val
+        return [a.val if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
+
+    # ----- nested bodies ----------------------------------------------------------------------
+    def _bind_rewritten(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+        name = eqn.primitive.name
+        if not any(self._has_conv(j) for j in _jaxprs_in(eqn.params)):
+            return _bind(eqn, invals)
+        if name not in _CALLS | _CONTROL | _REMAT:
+            if self.recorder is not None:
+                self.recorder.notes.append(("/".join(self._scope), eqn,
+                                            f"convolutions inside `{name}` are not searched"))
+            return _bind(eqn, invals)
+        params = dict(eqn.params)
+        for key, val in eqn.params.items():
+            if key not in _BODY_PARAMS:
+                continue
+            label = _label(eqn, key)
+            if isinstance(val, ClosedJaxpr):
+                params[key] = self.rewrite_body(val, label)
+            elif isinstance(val, tuple) and all(isinstance(v, ClosedJaxpr) for v in val):
+                params[key] = tuple(self.rewrite_body(v, f"{label}[{i}]")
+                                    for i, v in enumerate(val))
+            elif isinstance(val, Jaxpr) and name in _REMAT:
+                body = self.rewrite_body(ClosedJaxpr(val, []), label)
+                if body.consts:  # an open body cannot carry constants: let checkpoint hoist them
+                    remat = jax.checkpoint(jaxpr_as_fun(body), prevent_cse=params["prevent_cse"],
+                                           policy=params["policy"])
+                    with _source_context(eqn):
+                        return list(remat(*invals))
+                params[key] = body.jaxpr
+        return _bind(eqn, invals, params)
+
+    def rewrite_body(self, closed: ClosedJaxpr, label: str) -> ClosedJaxpr:
+        """`closed` with its chains fused (the same object when nothing inside can change)."""
+        hit = self._bodies.get(id(closed))
+        if hit is not None:
+            return hit[1]
+        new = closed
+        avals = closed.in_avals
+        if self._has_conv(closed.jaxpr) and all(hasattr(a, "shape") for a in avals):
+            specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                     for a in avals]
+            self._scope.append(label)
+            try:
+                new = jax.make_jaxpr(
+                    lambda *a: self.evaluate(closed.jaxpr, closed.consts, a))(*specs)
+            finally:
+                self._scope.pop()
+            if [(a.shape, a.dtype, a.weak_type) for a in new.out_avals] != \
+                    [(a.shape, a.dtype, a.weak_type) for a in closed.out_avals]:
+                raise AssertionError(f"jaxfuse rewrite changed the result types of {label}: "
+                                     f"{closed.out_avals} -> {new.out_avals}")
+        self._bodies[id(closed)] = (closed, new)  # keeps `closed` alive, so its id stays unique
+        return new
+
+    def _has_conv(self, jaxpr: Jaxpr) -> bool:
+        """Whether `jaxpr` or any body inside it has a convolution."""
+        hit = self._conv_inside.get(id(jaxpr))
+        if hit is not None:
+            return hit[1]
+        found = any(e.primitive.name == "conv_general_dilated" or
+                    any(self._has_conv(j) for j in _jaxprs_in(e.params)) for e in jaxpr.eqns)
+        self._conv_inside[id(jaxpr)] = (jaxpr, found)  # keeps `jaxpr` alive: its id stays unique
+        return found
+
+
+def _bind(eqn: JaxprEqn, invals: Sequence[Any], params: dict[str, Any] | None = None
+          ) -> list[Any]:
+    """Binds `eqn`'s primitive again, under the equation's source information."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns: tuple[Any, ...] = ()
+    if isinstance(bind_params, tuple):  # jax versions that split off sub-functions
+        subfuns, bind_params = bind_params
+    with _source_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def _source_context(eqn: JaxprEqn) -> Iterator[None]:
+    name_stack = siu.current_name_stack() + eqn.source_info.name_stack
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None) or contextlib.nullcontext()
+    with siu.user_context(eqn.source_info.traceback, name_stack=name_stack), manager:
+        yield
+
+
+def _label(eqn: JaxprEqn, key: str) -> str:
+    name = eqn.primitive.name
+    if name in _CALLS:
+        return call_name(eqn)
+    if name == "while":
+        return "while." + key.removesuffix("_jaxpr")
+    return {"remat2": "checkpoint"}.get(name, name)
+
+
+def _jaxprs_in(params: dict[str, Any]) -> Iterator[Jaxpr]:
+    for val in params.values():
+        for v in val if isinstance(val, tuple) else (val,):
+            if isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, Jaxpr):
+                yield v

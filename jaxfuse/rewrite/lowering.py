@@ -1,0 +1,141 @@
+"""Turns a matched group into a fusion plan and emits the one fused call that replaces it.
+
+Each run of per-channel affine steps is folded, in float32, into the parameters of one plan
+operator: pure adds into a bias; anything with a multiply into batch-norm parameters with unit
+variance and zero epsilon, so ``scale * (y - mean) / sqrt(1 + 0) + shift`` is exactly the folded
+``(y - mean) * scale + shift``. The kernel applies every step in float32 and rounds once, where
+the unfused program may round after each step: results differ by rounding only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..activations import ActivationMode
+from ..args import OperatorArgs
+from ..descriptors import ConvDesc, TensorDesc
+from ..plan import FusionPlan
+from .graph import Graph, Value
+from .matcher import ConvInfo, Group, PlanOp
+from .patterns import Step
+
+__all__ = ["build_plan", "emit"]
+
+Reader = Callable[[Value], Any]
+
+
+@functools.lru_cache(maxsize=1024)
+def _compiled_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, letters: str,
+                   activation: ActivationMode | None) -> tuple[FusionPlan, tuple[Any, ...]]:
+    plan = FusionPlan(x_desc)
+    handles: list[Any] = [plan.add_conv_forward(conv, w_desc)]
+    channels = plan.output_desc.dim("C")
+    for letter in letters:
+        if letter == "B":
+            handles.append(plan.add_bias_forward(TensorDesc((channels,), np.float32)))
+        elif letter == "N":
+            handles.append(plan.add_batchnorm_inference("spatial"))
+        elif letter == "S":
+            handles.append(plan.add_side_input_add())
+        elif letter == "A":
+            handles.append(plan.add_activation_forward(activation))
+    plan.compile()
+    return plan, tuple(handles)
+
+
+def build_plan(info: ConvInfo, plan_ops: tuple[PlanOp, ...]) -> tuple[FusionPlan, tuple[Any, ...]]:
+    """The compiled plan (memoized) and its operator handles, conv first."""
+    letters = "".join(op.letter for op in plan_ops)
+    activation = next((op.steps[0].mode for op in plan_ops if op.letter == "A"), None)
+    return _compiled_plan(info.x_desc, info.w_desc, info.conv, letters, activation)
+
+
+def emit(group: Group, read: Reader, g: Graph) -> jax.Array:
+    """The fused call for `group`; `read` gives the current value of any operand."""
+    info = group.info
+    plan, handles = build_plan(info, group.plan_ops)
+    x = jnp.asarray(read(group.conv.inputs[0])).astype(info.dtype)
+    w = jnp.asarray(read(group.conv.inputs[1]))
+    if info.filter_perm is not None:
+        w = jnp.transpose(w, info.filter_perm)
+    w = w.astype(info.dtype)
+    args = OperatorArgs().set_conv_forward(handles[0], w)
+    out_desc = plan.output_desc
+    channels = out_desc.dim("C")
+    for op, handle in zip(group.plan_ops, handles[1:]):
+        if op.letter == "B":
+            pre, _, _ = _fold(op.steps, read, channels)
+            args.set_bias_forward(handle, pre)
+        elif op.letter == "N":
+            pre, scale, post = _fold(op.steps, read, channels)
+            zeros = jnp.zeros((channels,), jnp.float32)
+            ones = jnp.ones((channels,), jnp.float32)
+            args.set_batchnorm_inference(
+                handle, ones if scale is None else scale, zeros if post is None else post,
+                zeros if pre is None else -pre, ones, epsilon=0.0)
+        elif op.letter == "S":
+            step = op.steps[0]
+            z = jnp.broadcast_to(jnp.asarray(read(step.operand.value)), out_desc.shape)
+            args.set_side_input_add(handle, z.astype(info.dtype),
+                                    alpha=-1.0 if step.op == "sub" else 1.0)
+        elif op.letter == "A":
+            alpha, beta, gamma = (_scalar(p, read, g) for p in op.steps[0].act_params)
+            args.set_activation_forward(handle, alpha, beta, gamma)
+    y = plan.execute(x, args)
+    return y if y.dtype == group.out.dtype else y.astype(group.out.dtype)
+
+
+def _vector(value: Any, channels: int) -> jax.Array:
+    v = jnp.asarray(value, jnp.float32).reshape(-1)
+    return jnp.broadcast_to(v, (channels,)) if v.shape[0] == 1 else v
+
+
+def _fold(steps: tuple[Step, ...], read: Reader, channels: int) -> tuple[Any, Any, Any]:
+    """Folds affine steps into ``y -> (y + pre) * scale + post`` (None where absent)."""
+    pre = scale = post = None
+
+    def add(term: Any) -> None:
+        nonlocal pre, post
+        if scale is None:
+            pre = term if pre is None else pre + term
+        else:
+            post = term if post is None else post + term
+
+    def mul(factor: Any) -> None:
+        nonlocal scale, post
+        scale = factor if scale is None else scale * factor
+        post = None if post is None else post * factor
+
+    for step in steps:
+        v = None if step.operand is None else _vector(read(step.operand.value), channels)
+        if step.op == "add":
+            add(v)
+        elif step.op == "sub":
+            add(-v)
+        elif step.op == "rsub":  # v - y
+            mul(jnp.full((channels,), -1.0, jnp.float32))
+            add(v)
+        elif step.op == "neg":
+            mul(jnp.full((channels,), -1.0, jnp.float32))
+        elif step.op == "mul":
+            mul(v)
+        elif step.op == "div":
+            mul(1.0 / v)
+        else:
+            raise AssertionError(step.op)
+    return pre, scale, post
+
+
+def _scalar(p: Value | float | None, read: Reader, g: Graph) -> Any:
+    if p is None or isinstance(p, float):
+        return p
+    constant = g.uniform_constant(p)
+    if constant is not None:
+        return constant
+    return jnp.asarray(read(p), jnp.float32).reshape(())
