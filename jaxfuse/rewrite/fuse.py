@@ -20,7 +20,7 @@ from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
 from .graph import Graph, Value, call_name
-from .lowering import build_plan, emit
+from .lowering import build_plan, compile_plans, emit
 from .matcher import Group, Skipped, find_groups
 
 __all__ = ["Recorder", "Rewriter", "StaticArgs", "fuse", "recording", "trace"]
@@ -136,6 +136,7 @@ class Rewriter:
         if any(e.primitive.name == "conv_general_dilated" for e in jaxpr.eqns):
             g = Graph(jaxpr, list(consts))
             groups, skipped = find_groups(g, build_plan)
+            compile_plans(groups)
             if self.recorder is not None:
                 self.recorder.scopes.append(("/".join(self._scope), groups, skipped))
         consumed = set().union(*(group.tops for group in groups))

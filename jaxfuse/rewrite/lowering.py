@@ -9,7 +9,9 @@ the unfused program may round after each step: results differ by rounding only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,14 +27,14 @@ from .graph import Graph, Value
 from .matcher import ConvInfo, Group, PlanOp
 from .patterns import Step
 
-__all__ = ["build_plan", "emit"]
+__all__ = ["build_plan", "compile_plans", "emit"]
 
 Reader = Callable[[Value], Any]
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, letters: str,
-                   activation: ActivationMode | None) -> tuple[FusionPlan, tuple[Any, ...]]:
+def _built_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, letters: str,
+                activation: ActivationMode | None) -> tuple[FusionPlan, tuple[Any, ...]]:
     plan = FusionPlan(x_desc)
     handles: list[Any] = [plan.add_conv_forward(conv, w_desc)]
     channels = plan.output_desc.dim("C")
@@ -45,15 +47,30 @@ def _compiled_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, lette
             handles.append(plan.add_side_input_add())
         elif letter == "A":
             handles.append(plan.add_activation_forward(activation))
-    plan.compile()
+    plan.signature  # noqa: B018 - validates the whole chain (raises UnsupportedFusionError)
     return plan, tuple(handles)
 
 
 def build_plan(info: ConvInfo, plan_ops: tuple[PlanOp, ...]) -> tuple[FusionPlan, tuple[Any, ...]]:
-    """The compiled plan (memoized) and its operator handles, conv first."""
+    """The validated plan (memoized; compiled by :func:`compile_plans`) and its operator
+    handles, conv first."""
     letters = "".join(op.letter for op in plan_ops)
     activation = next((op.steps[0].mode for op in plan_ops if op.letter == "A"), None)
-    return _compiled_plan(info.x_desc, info.w_desc, info.conv, letters, activation)
+    return _built_plan(info.x_desc, info.w_desc, info.conv, letters, activation)
+
+
+def compile_plans(groups: list[Group]) -> None:
+    """Compiles the groups' plans concurrently: on GPUs each is a runtime-compiler run, and a
+    network has dozens (the extension releases the GIL while compiling)."""
+    plans = {id(p): p for p in (build_plan(g.info, g.plan_ops)[0] for g in groups)
+             if not p.is_compiled}
+    if len(plans) <= 1:
+        for plan in plans.values():
+            plan.compile()
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(plans), os.cpu_count() or 1)) as pool:
+        for future in [pool.submit(plan.compile) for plan in plans.values()]:
+            future.result()
 
 
 def emit(group: Group, read: Reader, g: Graph) -> jax.Array:
