@@ -32,6 +32,7 @@ Platform ParsePlatform(std::string_view name) {
 nb::dict Describe(const jaxfuse::gpu::GeneratedKernel& generated) {
   nb::dict out;
   out["solver"] = generated.solver;
+  out["tile"] = generated.tile;
   nb::list entries;
   for (const auto& e : generated.entries) {
     nb::dict entry;
@@ -86,6 +87,7 @@ NB_MODULE(_jaxfuse_ext, m) {
     nb::dict out = Describe(kernel->generated);
     out["arch"] = kernel->arch;
     out["origin"] = kernel->origin;
+    out["variant"] = kernel->variant;
     return out;
   }, nb::arg("platform"), nb::arg("plan"), nb::arg("ordinal"),
      "Compiles (or finds in the caches) and loads the plan's kernel on a GPU device.");
@@ -102,7 +104,7 @@ NB_MODULE(_jaxfuse_ext, m) {
      nb::arg("max_smem_per_block"), "Records a device's facts (needed on ROCm).");
 
   m.def("gpu_compile_only", [](std::string_view platform, std::string_view plan,
-                               const std::string& arch, int sm_count) {
+                               const std::string& arch, int sm_count, int variant) {
     jaxfuse::gpu::DeviceInfo device;
     device.arch = arch;
     device.sm_count = sm_count;
@@ -113,14 +115,16 @@ NB_MODULE(_jaxfuse_ext, m) {
     {
       nb::gil_scoped_release release;
       binary = jaxfuse::gpu::CompileOnly(ParsePlatform(platform), *jaxfuse::LookupPlan(plan),
-                                         device, &generated);
+                                         device, variant, &generated);
     }
     nb::dict out = Describe(generated);
     out["binary_bytes"] = binary.size();
     out["source"] = generated.source;
+    out["variants"] = jaxfuse::gpu::CountVariants(*jaxfuse::LookupPlan(plan), device);
     return out;
   }, nb::arg("platform"), nb::arg("plan"), nb::arg("arch"), nb::arg("sm_count") = 132,
-     "Compiles a plan's kernel for an architecture without a device (no caches, no load).");
+     nb::arg("variant") = 0,
+     "Compiles one variant of a plan's kernel for an architecture without a device.");
 
   m.def("gpu_compiler", [](std::string_view platform) {
     const auto& compiler = jaxfuse::gpu::RuntimeCompiler::Get(ParsePlatform(platform));
@@ -151,6 +155,7 @@ NB_MODULE(_jaxfuse_ext, m) {
     out["compilations"] = s.compilations;
     out["disk_hits"] = s.disk_hits;
     out["loads"] = s.loads;
+    out["tunings"] = s.tunings;
     return out;
   }, "Counts of kernel compilations, disk-cache hits and device loads in this process.");
 

@@ -25,6 +25,7 @@ class CompiledPlan:
     platform: str
     device_id: int
     kernel: str  # the GPU solver that runs it ("conv_direct", "pointwise", ...), or "cpu"
+    details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
 
 
 _lock = threading.Lock()
@@ -60,7 +61,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any) -> CompiledPl
         if platform == "cpu":
             kernel = ext.cpu_prepare(encoded)
         elif platform in ("gpu", "cuda", "rocm"):
-            kernel = _compile_gpu(ext, encoded, device)
+            kernel, details = _compile_gpu(ext, encoded, device)
+            return CompiledPlan(signature, platform, device.id, kernel, details)
         else:
             raise FusionError(f"jaxfuse has no backend for platform {platform!r}")
     except (RuntimeError, ValueError) as err:
@@ -71,7 +73,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any) -> CompiledPl
 _warned_cache_problem = False
 
 
-def _compile_gpu(ext: Any, encoded: str, device: Any) -> str:
+def _compile_gpu(ext: Any, encoded: str, device: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """Compiles (or finds in the kernel caches) and loads the plan's kernel on `device`."""
     global _warned_cache_problem
     platform = gpu_platform(device)
@@ -86,7 +88,8 @@ def _compile_gpu(ext: Any, encoded: str, device: Any) -> str:
         _warned_cache_problem = True
         warnings.warn(f"jaxfuse keeps GPU kernels in memory only: {problem}", RuntimeWarning,
                       stacklevel=4)
-    return kernel["solver"]
+    details = tuple((k, kernel[k]) for k in ("tile", "variant", "arch", "origin"))
+    return kernel["solver"], details
 
 
 def cache_info() -> dict[str, int]:

@@ -137,6 +137,15 @@ class FusionPlan:
         return self._compiled.kernel if self.is_compiled else None
 
     @property
+    def kernel_info(self) -> dict[str, Any]:
+        """What runs the compiled plan: ``solver``, and on GPUs the ``tile`` configuration, the
+        autotuned ``variant``, the ``arch`` and the binary's ``origin`` (compiler or disk
+        cache). Empty before ``compile()``."""
+        if not self.is_compiled:
+            return {}
+        return {"solver": self._compiled.kernel, **dict(self._compiled.details)}
+
+    @property
     def is_compiled(self) -> bool:
         return self._compiled is not None and self._compiled_version == self._version
 

@@ -29,7 +29,9 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(cache_dir: str, extra_env: dict[str, str] | None = None) -> dict:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, **(extra_env or {})}
+    # Exact compile counts: one plan, one variant (autotuning has its own test).
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, "JAXFUSE_AUTOTUNE": "0",
+           **(extra_env or {})}
     code = _CHILD.format(tests=os.path.dirname(__file__))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
@@ -56,6 +58,42 @@ def test_corrupted_cache_file_is_rebuilt(tmp_path) -> None:
     stats = _child(str(tmp_path))["stats"]
     assert stats["compilations"] == 1 and stats["disk_hits"] == 0
     assert _child(str(tmp_path))["stats"]["disk_hits"] == 1
+
+
+def test_autotuning_runs_once_and_is_remembered(tmp_path) -> None:
+    first = _child(str(tmp_path), {"JAXFUSE_AUTOTUNE": "1"})["stats"]
+    assert first["tunings"] == 1 and first["compilations"] >= 2  # every variant compiled
+    second = _child(str(tmp_path), {"JAXFUSE_AUTOTUNE": "1"})["stats"]
+    assert second["tunings"] == 0 and second["compilations"] == 0
+    assert second["disk_hits"] == 2  # the tuned choice, then its binary
+
+
+# Shapes whose variants include every kind of tile (wide, deep, split-K over a cluster) and
+# partial tiles; each variant is forced in turn, so none is only trusted to autotuning.
+_VARIANTS_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case
+    NHWC = dict(layout="NHWC", filter_layout="HWIO")
+    for case in [Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NHWC),
+                 Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NHWC),
+                 Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
+                      dtype="float16", layout="NHWC", filter_layout="OHWI"),
+                 Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
+                      padding="SAME", dtype="float16", **NHWC)]:
+        run_case(case, jax.devices("gpu")[0])
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
+    done = subprocess.run([sys.executable, "-c",
+                           _VARIANTS_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
 
 
 def test_under_cuda_graphs(tmp_path) -> None:

@@ -79,3 +79,23 @@ def test_compile_error_carries_the_log() -> None:
     signature = Case(ops="CA").build()[0].signature
     with pytest.raises(RuntimeError, match="compiler log"):
         extension().gpu_compile_only("CUDA", signature.encode(), "sm_1")
+
+
+# Every tile variant autotuning may pick must compile too (sm_90: wgmma tiles; sm_80: mma.sync).
+TILED = [Case(ops="CBNSA", dtype="float16", layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw,
+              w=hw) for fl, c, k, n, hw in (("HWIO", 64, 256, 64, 28), ("OHWI", 512, 512, 1, 7),
+                                            ("HWIO", 3, 64, 8, 56), ("HWIO", 32, 48, 2, 9))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", TILED, ids=str)
+def test_every_tile_variant_compiles(case: Case, arch: str) -> None:
+    encoded = case.build()[0].signature.encode()
+    count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+    assert count >= 2, "the tensor-core solvers offer alternatives to tune"
+    tiles = set()
+    for variant in range(count):
+        out = extension().gpu_compile_only("CUDA", encoded, arch, variant=variant)
+        assert out["binary_bytes"] > 0 and out["tile"]
+        tiles.add(out["tile"])
+    assert len(tiles) == count, "variants are distinct tiles"

@@ -7,7 +7,22 @@
 
 namespace jaxfuse {
 
+// The process-wide registry behind LookupPlan's per-thread cache.
+std::shared_ptr<const PlanSpec> LookupShared(std::string_view text);
+
 std::shared_ptr<const PlanSpec> LookupPlan(std::string_view text) {
+  // Per thread, by the address of the attribute's characters (stable for an executable's
+  // lifetime; the contents are compared too, in case the memory was reused): no allocation or
+  // string hashing on the execute path.
+  thread_local std::unordered_map<const char*, std::shared_ptr<const PlanSpec>> recent;
+  if (auto it = recent.find(text.data()); it != recent.end() && it->second->text == text) {
+    return it->second;
+  }
+  if (recent.size() > 4096) recent.clear();
+  return recent[text.data()] = LookupShared(text);
+}
+
+std::shared_ptr<const PlanSpec> LookupShared(std::string_view text) {
   static std::shared_mutex mu;
   static auto* plans = new std::unordered_map<std::string, std::shared_ptr<const PlanSpec>>();
   {

@@ -1,9 +1,15 @@
 #include "gpu/backend.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <future>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
+#include <unordered_map>
+
+#include "gpu/autotune.h"
 
 #include "common/debug.h"
 #include "gpu/embedded_sources.h"
@@ -50,16 +56,95 @@ bool Aligned(const void* p, int alignment) {
   return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(alignment) == 0;
 }
 
+void Count(int64_t BackendStats::*counter, int64_t amount = 1) {
+  std::lock_guard<std::mutex> lock(stats_mu);
+  stats.*counter += amount;
+}
+
+// The variant to run: from the disk cache if this plan was tuned before on this architecture,
+// else by timing every variant now (compiled concurrently), remembering the winner.
+int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& device, int ordinal,
+                  const RuntimeCompiler& compiler) {
+  const int count = CountVariants(spec, device);
+  // JAXFUSE_KERNEL_VARIANT=i forces variant i (tests check every variant's results with it).
+  static const char* forced = std::getenv("JAXFUSE_KERNEL_VARIANT");
+  if (forced != nullptr && *forced) return std::clamp(std::atoi(forced), 0, count - 1);
+  if (count <= 1 || !AutotuneEnabled()) return 0;
+  DiskCache& disk = DiskCache::Global();
+  const std::string key =
+      CacheKey(platform, device.arch, compiler.version(), GenerateKernel(spec, device, 0), spec) +
+      "|tuned-variant";
+  std::string stored;
+  if (disk.Load(key, &stored)) {
+    const int variant = std::atoi(stored.c_str());
+    if (variant >= 0 && variant < count && stored == std::to_string(variant)) return variant;
+  }
+  std::vector<GeneratedKernel> variants;
+  for (int i = 0; i < count; ++i) variants.push_back(GenerateKernel(spec, device, i));
+  std::vector<std::future<std::string>> jobs;
+  for (const GeneratedKernel& v : variants) {
+    jobs.push_back(std::async(std::launch::async, [&compiler, &v, &device] {
+      try {
+        return compiler.Compile(v.source, CompileArch(v, device));
+      } catch (const std::exception&) {
+        return std::string();  // not a candidate
+      }
+    }));
+  }
+  std::vector<std::string> binaries;
+  for (auto& job : jobs) binaries.push_back(job.get());
+  Count(&BackendStats::compilations, count);
+  if (binaries[0].empty()) return 0;  // let the caller report variant 0's compiler log
+  int best = 0;
+  try {
+    best = Autotune(platform, spec, ordinal, variants, binaries).best;
+  } catch (const std::exception&) {
+    return 0;  // the device could not run the measurement (e.g. out of memory): no memo
+  }
+  Count(&BackendStats::tunings);
+  disk.Store(key, std::to_string(best));
+  // The winner's binary is the one about to be looked up: store it now, saving a compile.
+  disk.Store(CacheKey(platform, device.arch, compiler.version(), variants[best], spec),
+             binaries[best]);
+  return best;
+}
+
 }  // namespace
 
+// The process-wide memo behind GetKernel's per-thread cache.
+std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const PlanSpec& spec,
+                                                    int ordinal);
+
 std::string CompileOnly(Platform platform, const PlanSpec& spec, const DeviceInfo& device,
-                        GeneratedKernel* generated) {
-  *generated = GenerateKernel(spec, device);
+                        int variant, GeneratedKernel* generated) {
+  *generated = GenerateKernel(spec, device, variant);
   return RuntimeCompiler::Get(platform).Compile(generated->source, CompileArch(*generated, device));
 }
 
 std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec& spec,
                                               int ordinal) {
+  // Per thread, by plan object (parsed plans live as long as the process): the execute path
+  // finds its kernel without locks or string keys.
+  struct Key {
+    const PlanSpec* spec;
+    int device;
+    bool operator==(const Key& o) const { return spec == o.spec && device == o.device; }
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.spec) ^ (size_t(k.device) * 0x9e3779b97f4a7c15ull);
+    }
+  };
+  thread_local std::unordered_map<Key, std::shared_ptr<const LoadedKernel>, KeyHash> recent;
+  const Key key{&spec, ordinal * 2 + static_cast<int>(platform)};
+  if (auto it = recent.find(key); it != recent.end()) return it->second;
+  auto kernel = GetKernelShared(platform, spec, ordinal);
+  if (recent.size() > 4096) recent.clear();
+  return recent[key] = kernel;
+}
+
+std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const PlanSpec& spec,
+                                                    int ordinal) {
   static std::mutex mu;
   static auto* slots = new std::map<std::tuple<int, int, std::string>, std::shared_ptr<Slot>>();
   std::shared_ptr<Slot> slot;
@@ -74,14 +159,15 @@ std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec&
 
   const Driver& driver = Driver::Get(platform);
   const DeviceInfo device = driver.Query(ordinal);
-  auto kernel = std::make_shared<LoadedKernel>();
-  kernel->generated = GenerateKernel(spec, device);
-  kernel->arch = device.arch;
   const RuntimeCompiler& compiler = RuntimeCompiler::Get(platform);
+  DiskCache& disk = DiskCache::Global();
+  auto kernel = std::make_shared<LoadedKernel>();
+  kernel->arch = device.arch;
+  kernel->variant = ChooseVariant(platform, spec, device, ordinal, compiler);
+  kernel->generated = GenerateKernel(spec, device, kernel->variant);
   const std::string key = CacheKey(platform, device.arch, compiler.version(), kernel->generated,
                                    spec);
   std::string binary;
-  DiskCache& disk = DiskCache::Global();
   if (disk.Load(key, &binary)) {
     kernel->origin = "disk cache";
     std::lock_guard<std::mutex> stats_lock(stats_mu);

@@ -18,12 +18,14 @@ struct LoadedKernel {
   GeneratedKernel generated;
   std::vector<void*> functions;  // one per generated entry point
   std::string arch;
+  int variant = 0;     // which tile configuration (autotuned; 0 = the heuristic's)
   std::string origin;  // "compiled" or "disk cache"
 };
 
 // Counters for tests and `python -m jaxfuse info`.
 struct BackendStats {
   int64_t compilations = 0;  // runtime-compiler invocations
+  int64_t tunings = 0;       // plans autotuned (each compiles and times all its variants)
   int64_t disk_hits = 0;
   int64_t loads = 0;  // modules loaded onto a device
 };
@@ -42,7 +44,7 @@ void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel,
 // Compiles `spec` for `arch` without touching a device or the caches (CI compiles every
 // kernel variant this way on machines without a GPU). Returns the device binary.
 std::string CompileOnly(Platform platform, const PlanSpec& spec, const DeviceInfo& device,
-                        GeneratedKernel* generated);
+                        int variant, GeneratedKernel* generated);
 
 BackendStats Stats();
 

@@ -171,6 +171,9 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
 }
 
+// The heuristic's tile first, then alternatives worth timing (distinct, fitting the device).
+std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& device);
+
 IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
@@ -194,6 +197,7 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
 
 struct WgmmaTile {
   int bm, bn, stages, min_blocks;
+  int splits = 1;  // split-K over a cluster of this many CTAs
   int Threads() const { return bm / 64 * 128; }
   int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
     return std::max(stages * (bm + bn) * 128, bm * (bn + 8) * 4) + 1024;
@@ -203,6 +207,15 @@ struct WgmmaTile {
 bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   return IgemmApplies(spec, device) && device.arch == "sm_90" && (spec.c / g.groups) % 64 == 0;
+}
+
+// A tile with as many CTAs per multiprocessor as shared memory and registers allow.
+WgmmaTile MakeWgmmaTile(int bm, int bn, int stages) {
+  WgmmaTile tile{bm, bn, stages, 1};
+  const int per_sm = std::max(1, 227 * 1024 / tile.SmemBytes());
+  const int regs_per_thread = bn / 2 + 56;  // accumulators + addressing and epilogue
+  tile.min_blocks = std::max(1, std::min({per_sm, 65536 / (regs_per_thread * tile.Threads()), 4}));
+  return tile;
 }
 
 WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
@@ -224,19 +237,83 @@ WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
   } else if (ctas(128, 64) >= sms) {
     bm = 128;
   }
-  WgmmaTile tile{bm, bn, static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 4)), 1};
-  const int per_sm = std::max(1, 227 * 1024 / tile.SmemBytes());
-  const int regs_per_thread = bn / 2 + 56;  // accumulators + addressing and epilogue
-  tile.min_blocks = std::max(1, std::min({per_sm, 65536 / (regs_per_thread * tile.Threads()), 4}));
-  return tile;
+  return MakeWgmmaTile(bm, bn, static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 4)));
+}
+
+std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t kg = g.k / g.groups;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
+  std::vector<WgmmaTile> all = {ChooseWgmmaTile(spec, device)};
+  // Deep pipelines for long reductions, wide tiles for wide outputs, small ones for small M.
+  const int deep = static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 6));
+  const std::vector<WgmmaTile> extras = {
+      MakeWgmmaTile(128, 128, deep), MakeWgmmaTile(128, 256, 4), MakeWgmmaTile(128, 64, 4),
+      MakeWgmmaTile(64, 128, deep), MakeWgmmaTile(128, 128, 3), MakeWgmmaTile(64, 64, 4)};
+  std::vector<WgmmaTile> candidates = extras;
+  // Outputs too small to occupy the device: split the reduction over a cluster of CTAs.
+  const int64_t m = spec.n * spec.out_h * spec.out_w;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  for (const int bn : {64, 128}) {
+    const int64_t tiles = ((m + 63) / 64) * ((kg + bn - 1) / bn) * g.groups;
+    int splits = 1;
+    while (splits < 8 && tiles * splits * 2 <= 2 * sms && k_tiles >= splits * 2 * 4) splits *= 2;
+    if (splits > 1 && bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64)) {
+      WgmmaTile t = MakeWgmmaTile(64, bn, 4);
+      t.splits = splits;
+      candidates.insert(candidates.begin(), t);
+    }
+  }
+  for (const WgmmaTile& t : candidates) {
+    if (all.size() >= 4) break;
+    const bool seen = std::any_of(all.begin(), all.end(), [&](const WgmmaTile& u) {
+      return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages && u.splits == t.splits;
+    });
+    if (!seen && t.bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64) &&
+        t.SmemBytes() <= std::max(device.max_smem_per_block, 48 * 1024)) {
+      all.push_back(t);
+    }
+  }
+  return all;
 }
 
 std::string WgmmaConstants(const WgmmaTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
     << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
-    << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
+    << "constexpr int kSmemBytes = " << t.SmemBytes() << ", kSplits = " << t.splits << ";\n"
+    << "}  // namespace plan\n}  // namespace jaxfuse\n";
+  // Only split-K kernels are launched as clusters.
+  if (t.splits > 1) {
+    s << "#define JF_CLUSTER_DIMS __cluster_dims__(" << t.splits << ", 1, 1)\n";
+  } else {
+    s << "#define JF_CLUSTER_DIMS\n";
+  }
+  s << "namespace jaxfuse {\nnamespace plan {\n";
   return s.str();
+}
+
+std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
+  const bool b_rows_are_k = g.filter_layout == FilterLayout::kHWIO;
+  const int bk = cg % 32 == 0 || cg % 16 != 0 ? 32 : 16;
+  std::vector<IgemmTile> all = {ChooseIgemmTile(spec, device)};
+  const std::vector<IgemmTile> extras =
+      cg % 16 != 0 ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, 2}, {64, 64, 32, 2, 2, 2, 3}}
+                   : std::vector<IgemmTile>{{128, 128, bk, 2, 4, 4, 1},
+                                            {128, 64, bk, 4, 2, 4, 2},
+                                            {64, 64, bk, 2, 2, 4, 3}};
+  for (const IgemmTile& t : extras) {
+    const bool seen = std::any_of(all.begin(), all.end(), [&](const IgemmTile& u) {
+      return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages;
+    });
+    if (!seen && t.bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64) &&
+        t.SmemBytes(b_rows_are_k) <= device.max_smem_per_block) {
+      all.push_back(t);
+    }
+  }
+  return all;
 }
 
 std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
@@ -275,7 +352,14 @@ std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
   return s.str();
 }
 
-GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
+int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
+  if (!spec.has_conv) return 1;
+  if (WgmmaApplies(spec, device)) return static_cast<int>(WgmmaCandidates(spec, device).size());
+  if (IgemmApplies(spec, device)) return static_cast<int>(IgemmCandidates(spec, device).size());
+  return 1;
+}
+
+GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, int variant) {
   GeneratedKernel out;
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
@@ -296,12 +380,17 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
   }
   const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};
   if (WgmmaApplies(spec, device)) {
-    const WgmmaTile tile = ChooseWgmmaTile(spec, device);
+    const std::vector<WgmmaTile> tiles = WgmmaCandidates(spec, device);
+    const WgmmaTile tile = tiles[std::clamp<int>(variant, 0, static_cast<int>(tiles.size()) - 1)];
     const ConvGeometry& g = spec.conv;
     const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
-    const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+    const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) *
+                           g.groups * tile.splits;
     const int dtype = spec.dtype == DType::kBF16 ? 2 : 1;
     out.solver = "conv_wgmma";
+    out.tile = std::to_string(tile.bm) + "x" + std::to_string(tile.bn) + " s" +
+               std::to_string(tile.stages) + " b" + std::to_string(tile.min_blocks) +
+               (tile.splits > 1 ? " k/" + std::to_string(tile.splits) : "");
     out.compile_arch = "sm_90a";
     out.source = TranslationUnit(spec, WgmmaConstants(tile), {}) +
                  WgmmaFunction(tile.bn, dtype, g.filter_layout == FilterLayout::kHWIO) +
@@ -313,12 +402,16 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device) {
     return out;
   }
   if (IgemmApplies(spec, device)) {
-    const IgemmTile tile = ChooseIgemmTile(spec, device);
+    const std::vector<IgemmTile> tiles = IgemmCandidates(spec, device);
+    const IgemmTile tile = tiles[std::clamp<int>(variant, 0, static_cast<int>(tiles.size()) - 1)];
     const ConvGeometry& g = spec.conv;
     const bool b_rows_are_k = g.filter_layout == FilterLayout::kHWIO;
     const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
     const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) * g.groups;
     out.solver = "conv_igemm";
+    out.tile = std::to_string(tile.bm) + "x" + std::to_string(tile.bn) + "x" +
+               std::to_string(tile.bk) + " s" + std::to_string(tile.stages) + " b" +
+               std::to_string(tile.min_blocks);
     out.source = TranslationUnit(spec, IgemmConstants(tile, b_rows_are_k),
                                  {"conv_igemm.cuh", "conv_direct.cuh"});
     out.entries.push_back({"jaxfuse_conv_igemm", static_cast<unsigned>(blocks),

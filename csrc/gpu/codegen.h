@@ -27,6 +27,7 @@ struct EntryPoint {
 
 struct GeneratedKernel {
   std::string solver;                // e.g. "pointwise", "conv_direct"
+  std::string tile;                  // the variant's tile, e.g. "128x128 s4" ("" if none)
   std::string source;                // the main translation unit
   std::string compile_arch;          // the compiler's target (e.g. "sm_90a" for wgmma)
   std::vector<EntryPoint> entries;   // fastest first; the last one applies to any alignment
@@ -38,7 +39,11 @@ struct GeneratedKernel {
 // so it is generated rather than written out for every N.
 std::string WgmmaFunction(int n, int dtype, bool b_mn_major);
 
-// Throws std::invalid_argument if no kernel applies (never expected: conv_direct always does).
-GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device);
+// How many variants (tile configurations) of the plan's kernel there are to choose from;
+// variant 0 is the heuristic's choice, and autotuning times the others against it.
+int CountVariants(const PlanSpec& spec, const DeviceInfo& device);
+
+// The source for one variant (clamped to the valid range).
+GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, int variant = 0);
 
 }  // namespace jaxfuse::gpu

@@ -1,5 +1,6 @@
 #include "gpu/runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -174,6 +175,18 @@ struct Driver::Api {
   Result (*launch)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                    Handle, void**, void**);
   Result (*memset_d8_async)(void*, unsigned char, size_t, Handle);
+  Result (*mem_alloc)(void**, size_t);
+  Result (*mem_free)(void*);
+  Result (*copy_htod)(void*, const void*, size_t);
+  Result (*copy_dtoh)(void*, const void*, size_t);
+  Result (*stream_create)(Handle*, unsigned);
+  Result (*stream_destroy)(Handle);
+  Result (*stream_synchronize)(Handle);
+  Result (*event_create)(Handle*, unsigned);
+  Result (*event_record)(Handle, Handle);
+  Result (*event_synchronize)(Handle);
+  Result (*event_elapsed)(float*, Handle, Handle);
+  Result (*event_destroy)(Handle);
   Result (*cu_error_string)(Result, const char**);  // CUDA
   const char* (*hip_error_string)(Result);         // HIP
   mutable std::mutex mu;
@@ -215,6 +228,21 @@ Driver::Driver(Platform platform) : platform_(platform) {
   Require(lib, cuda ? "cuModuleGetFunction" : "hipModuleGetFunction", &api->module_get_function);
   Require(lib, cuda ? "cuLaunchKernel" : "hipModuleLaunchKernel", &api->launch);
   Require(lib, cuda ? "cuMemsetD8Async" : "hipMemsetD8Async", &api->memset_d8_async);
+  Require(lib, cuda ? "cuMemAlloc_v2" : "hipMalloc", &api->mem_alloc);
+  Require(lib, cuda ? "cuMemFree_v2" : "hipFree", &api->mem_free);
+  Require(lib, cuda ? "cuMemcpyHtoD_v2" : "hipMemcpyHtoD", &api->copy_htod);
+  Require(lib, cuda ? "cuMemcpyDtoH_v2" : "hipMemcpyDtoH", &api->copy_dtoh);
+  Require(lib, cuda ? "cuStreamCreate" : "hipStreamCreateWithFlags", &api->stream_create);
+  Require(lib, cuda ? "cuStreamDestroy_v2" : "hipStreamDestroy", &api->stream_destroy);
+  Require(lib, cuda ? "cuStreamSynchronize" : "hipStreamSynchronize", &api->stream_synchronize);
+  Require(lib, cuda ? "cuEventCreate" : "hipEventCreateWithFlags", &api->event_create);
+  Require(lib, cuda ? "cuEventRecord" : "hipEventRecord", &api->event_record);
+  Require(lib, cuda ? "cuEventSynchronize" : "hipEventSynchronize", &api->event_synchronize);
+  // CUDA 12.8 added cuEventElapsedTime_v2 and CUDA 13 headers name only it.
+  if (!cuda || !lib.Get("cuEventElapsedTime_v2", &api->event_elapsed)) {
+    Require(lib, cuda ? "cuEventElapsedTime" : "hipEventElapsedTime", &api->event_elapsed);
+  }
+  Require(lib, cuda ? "cuEventDestroy_v2" : "hipEventDestroy", &api->event_destroy);
   if (cuda) {
     Require(lib, "cuFuncSetAttribute", &api->func_set_attribute);
     Require(lib, "cuGetErrorString", &api->cu_error_string);
@@ -324,6 +352,79 @@ std::vector<void*> Driver::Load(int ordinal, const std::string& binary,
   Handle ignored = nullptr;
   api_->ctx_pop(&ignored);
   return functions;
+}
+
+// Makes the device's primary context current for a scope (host-side work outside XLA's).
+class Driver::ContextScope {
+ public:
+  ContextScope(const Driver& driver, int ordinal) : driver_(driver) {
+    driver_.Check(driver_.api_->ctx_push(driver_.PrimaryContext(ordinal)),
+                  "activating the device's context");
+  }
+  ~ContextScope() {
+    Handle ignored = nullptr;
+    driver_.api_->ctx_pop(&ignored);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  const Driver& driver_;
+};
+
+void* Driver::Allocate(int ordinal, size_t bytes) const {
+  ContextScope scope(*this, ordinal);
+  void* ptr = nullptr;
+  Check(api_->mem_alloc(&ptr, std::max<size_t>(bytes, 16)), "allocating device memory");
+  return ptr;
+}
+
+void Driver::Free(int ordinal, void* device_ptr) const {
+  if (device_ptr == nullptr) return;
+  ContextScope scope(*this, ordinal);
+  api_->mem_free(device_ptr);
+}
+
+void Driver::CopyToDevice(int ordinal, void* dst, const void* src, size_t bytes) const {
+  ContextScope scope(*this, ordinal);
+  Check(api_->copy_htod(dst, src, bytes), "copying to the device");
+}
+
+void Driver::CopyToHost(int ordinal, void* dst, const void* src, size_t bytes) const {
+  ContextScope scope(*this, ordinal);
+  Check(api_->copy_dtoh(dst, src, bytes), "copying from the device");
+}
+
+double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
+                            const FusedParams& params, int repeats) const {
+  ContextScope scope(*this, ordinal);
+  Handle stream = nullptr;
+  Check(api_->stream_create(&stream, 1), "creating a stream");  // 1: non-blocking
+  std::vector<Handle> events(2 * repeats, nullptr);
+  std::vector<double> times;
+  try {
+    for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
+    Launch(function, entry, stream, params);  // warm-up
+    for (int i = 0; i < repeats; ++i) {
+      Check(api_->event_record(events[2 * i], stream), "recording an event");
+      Launch(function, entry, stream, params);
+      Check(api_->event_record(events[2 * i + 1], stream), "recording an event");
+    }
+    Check(api_->stream_synchronize(stream), "waiting for the timed launches");
+    for (int i = 0; i < repeats; ++i) {
+      float ms = 0;
+      Check(api_->event_elapsed(&ms, events[2 * i], events[2 * i + 1]), "reading an event");
+      times.push_back(ms);
+    }
+  } catch (...) {
+    for (Handle e : events) if (e) api_->event_destroy(e);
+    api_->stream_destroy(stream);
+    throw;
+  }
+  for (Handle e : events) api_->event_destroy(e);
+  api_->stream_destroy(stream);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
 }
 
 void Driver::Memset(void* device_ptr, unsigned char value, size_t bytes, void* stream) const {

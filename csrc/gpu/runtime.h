@@ -62,11 +62,22 @@ class Driver {
   void Launch(void* function, const EntryPoint& entry, void* stream,
               const FusedParams& params) const;
 
+  // Device memory and timing, for autotuning at plan-compile time (never during execution:
+  // these synchronize). All run in the device's primary context.
+  void* Allocate(int ordinal, size_t bytes) const;
+  void Free(int ordinal, void* device_ptr) const;
+  void CopyToDevice(int ordinal, void* dst, const void* src, size_t bytes) const;
+  void CopyToHost(int ordinal, void* dst, const void* src, size_t bytes) const;
+  // Median milliseconds of `repeats` launches (after one warm-up) on a private stream.
+  double TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
+                      const FusedParams& params, int repeats) const;
+
  private:
   explicit Driver(Platform platform);
   struct Api;
   void Check(int status, const char* what) const;
   void* PrimaryContext(int ordinal) const;
+  class ContextScope;
   Platform platform_;
   const Api* api_ = nullptr;
 };

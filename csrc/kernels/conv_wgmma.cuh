@@ -7,8 +7,14 @@
 // from shared memory through descriptors (wgmma.h), and the copies for a later k-tile overlap
 // them. The epilogue stages the fp32 tile through shared memory (implicit_gemm.h: store_tile).
 //
+// Split-K (kSplits > 1, for outputs too small to occupy the device): the kSplits CTAs of a
+// thread-block cluster each reduce a slice of the k-tiles; their fp32 tiles are then summed
+// through distributed shared memory, each CTA summing and writing kBM / kSplits of the rows. No
+// global workspace, no atomics, so it is safe in CUDA graphs and concurrent streams.
+//
 // From the code generator (namespace plan): kBM (64 or 128), kBN (64, 128 or 256), kStages,
-// kMinBlocks, kSmemBytes. Requirements it checks: CG % 64 == 0, KG % 8 == 0; the host falls back
+// kMinBlocks, kSmemBytes, kSplits; and JF_CLUSTER_DIMS, the cluster attribute (empty unless
+// split). Requirements it checks: CG % 64 == 0, KG % 8 == 0; the host falls back
 // to the direct kernel for buffers that are not 16-byte aligned.
 #pragma once
 
@@ -26,6 +32,8 @@ constexpr int kBK = 64;  // 16-bit values in one 128-byte swizzle row
 constexpr int kWarpGroups = kBM / 64;
 constexpr int kThreads = kWarpGroups * 128;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
+static_assert(kSplits >= 1 && kSplits <= 8 && kBM % kSplits == 0 && kKTiles >= kSplits,
+              "split-K over at most 8 CTAs (a portable cluster), each with some k-tiles");
 constexpr i64 kMTiles = (M + kBM - 1) / kBM;
 constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
 constexpr u32 kATileBytes = kBM * 128;
@@ -102,7 +110,7 @@ JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
 }  // namespace jaxfuse
 
 extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse::plan::kMinBlocks)
-    jaxfuse_conv_wgmma(jaxfuse::FusedParams p) {
+    JF_CLUSTER_DIMS jaxfuse_conv_wgmma(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::hopper;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -110,8 +118,12 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warpgroup = tid / 128, warp_in_group = (tid % 128) / 32;
+  // A cluster's CTAs (consecutive blocks) share one output tile and split its k-tiles.
+  const int split = static_cast<int>(blockIdx.x % kSplits);
+  const int kt_begin = split * kKTiles / kSplits, kt_end = (split + 1) * kKTiles / kSplits;
+  const int k_tiles = kt_end - kt_begin;
   // Output-channel tiles vary fastest, so CTAs that share an activation tile run together.
-  const i64 block = blockIdx.x;
+  const i64 block = blockIdx.x / kSplits;
   const int n0 = static_cast<int>(block % kNTiles) * kBN;
   const i64 m0 = (block / kNTiles) % kMTiles * kBM;
   const i64 group = block / (kNTiles * kMTiles);
@@ -139,10 +151,10 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   constexpr int kAhead = kStages - 2;
 #pragma unroll
   for (int st = 0; st < kAhead; ++st) {
-    if (st < kKTiles) load_stage(x, w, stage(st), rows, st, group, n0, tid);
+    if (st < k_tiles) load_stage(x, w, stage(st), rows, kt_begin + st, group, n0, tid);
     mma::commit_copies();
   }
-  for (int kt = 0; kt < kKTiles; ++kt) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
     wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
     __syncthreads();                  // ... and everyone's; stage kt - 2 is no longer read
@@ -150,7 +162,9 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     multiply_stage(stage(kt % kStages), warpgroup, acc);
     wgmma::commit();
     const int next = kt + kAhead;  // into the stage k-tile kt - 2 used
-    if (next < kKTiles) load_stage(x, w, stage(next % kStages), rows, next, group, n0, tid);
+    if (next < k_tiles) {
+      load_stage(x, w, stage(next % kStages), rows, kt_begin + next, group, n0, tid);
+    }
     mma::commit_copies();
     wgmma::wait<1>();  // the multiply of k-tile kt - 1 is done; kt's may still run
   }
@@ -170,7 +184,29 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4);
     *reinterpret_cast<float2*>(tile + row * kCPitch + col) = make_float2(acc[i], acc[i + 1]);
   }
-  __syncthreads();
-  store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
-                                          static_cast<Io::type*>(p.y));
+  Io::type* y = static_cast<Io::type*>(p.y);
+  if (kSplits == 1) {
+    __syncthreads();
+    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group, y);
+    return;
+  }
+  wgmma::cluster_sync();  // every slice's partial tile is written and visible cluster-wide
+  constexpr int kRows = kBM / kSplits;
+  for (int chunk = tid; chunk < kRows * (kBN / 8); chunk += kThreads) {
+    const int row = split * kRows + chunk / (kBN / 8), col8 = chunk % (kBN / 8);
+    const i64 m = m0 + row;
+    const int k = n0 + col8 * 8;
+    if (m >= M || k >= KG) continue;
+    const u32 local = mma::smem_addr(tile + row * kCPitch + col8 * 8);
+    float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int rank = 0; rank < kSplits; ++rank) {
+      const float4 lo = wgmma::load_cluster_shared(local, rank);
+      const float4 hi = wgmma::load_cluster_shared(local + 16, rank);
+      v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w;
+      v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
+    }
+    store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
+  }
+  wgmma::cluster_sync();  // no CTA leaves while another still reads its shared memory
 }

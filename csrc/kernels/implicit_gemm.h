@@ -48,6 +48,19 @@ JF_DEVICE i64 b_offset(i64 group, int tap, i64 c, i64 k) {
                         : (i64(tap) * CG + c) * K + group * KG + k;
 }
 
+// Runs the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the group)
+// and writes them with one 16-byte store. `terms` points at channel k's epilogue terms.
+JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
+                           i64 m, int k, i64 group, Io::type* y) {
+  const i64 out = m * K + group * KG + k;
+  const i64 param = (m % (P * Q)) * K + group * KG + k;
+  Vec16 packed;
+  Io::type* lanes = reinterpret_cast<Io::type*>(&packed);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) lanes[j] = Io::store(ep.apply(v[j], terms[j], param + j, out + j));
+  *reinterpret_cast<Vec16*>(y + out) = packed;
+}
+
 // Writes a finished tile: `tile` holds rows x cols fp32 results (row pitch `pitch` floats) for
 // output pixels m0.. and channels n0.. of `group`; every row goes out in 16-byte stores after
 // the plan's operator chain. `terms` holds the tile's per-channel epilogue terms.
@@ -60,16 +73,10 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
     const i64 m = m0 + row;
     const int k = n0 + col8 * 8;
     if (m >= M || k >= KG) continue;
-    const i64 out = m * K + group * KG + k;
-    const i64 param = (m % (P * Q)) * K + group * KG + k;
-    Vec16 packed;
-    Io::type* lanes = reinterpret_cast<Io::type*>(&packed);
+    float v[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float v = tile[row * kPitch + col8 * 8 + j];
-      lanes[j] = Io::store(ep.apply(v, terms[col8 * 8 + j], param + j, out + j));
-    }
-    *reinterpret_cast<Vec16*>(y + out) = packed;
+    for (int j = 0; j < 8; ++j) v[j] = tile[row * kPitch + col8 * 8 + j];
+    store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
   }
 }
 

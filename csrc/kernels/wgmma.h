@@ -46,6 +46,24 @@ JF_DEVICE void wait() {
 // Keeps the compiler from moving accumulator reads or writes across an asynchronous multiply.
 JF_DEVICE void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
+// Thread-block clusters: a barrier over every thread of every CTA in the cluster (releasing
+// this CTA's shared-memory writes to the others), and a 16-byte read of CTA `rank`'s shared
+// memory at the address `local` has in this CTA's.
+JF_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
+               ::: "memory");
+}
+JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
+  u32 remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
 }  // namespace wgmma
 }  // namespace jaxfuse
 

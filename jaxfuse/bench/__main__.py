@@ -52,7 +52,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     error = _rel_error(fused(args[:1])[0], unfused(args[:1])[0])
     row: dict[str, Any] = {
         "case": case.label(), "layer": case.layer.name, "n": case.n, "dtype": case.dtype,
-        "layout": case.layout, "ops": case.ops, "solver": plan._compiled.kernel,
+        "layout": case.layout, "ops": case.ops,
+        "solver": " ".join(str(v) for k, v in plan.kernel_info.items() if k in ("solver", "tile")),
         "rel_error_vs_xla": error,
         "fused_wall_us": wall_time_per_op(fused, args, repeats) * 1e6,
         "xla_wall_us": wall_time_per_op(unfused, args, repeats) * 1e6,
@@ -77,13 +78,13 @@ def _geomean(values: list[float]) -> float:
 
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     key = "ratio_device" if all("ratio_device" in r for r in rows) else "ratio_wall"
-    header = (f"{'case':<44} {'solver':<13} {'fused us':>9} {'xla us':>9} {'xla/fused':>9} "
+    header = (f"{'case':<44} {'solver':<26} {'fused us':>9} {'xla us':>9} {'xla/fused':>9} "
               f"{'TFLOP/s':>8} {'GB/s':>7} {'floor us':>8} {'/floor':>6} {'err':>8}")
     print(header, file=out)
     for r in rows:
         fused = r.get("fused_device_us", r["fused_wall_us"])
         xla = r.get("xla_device_us", r["xla_wall_us"])
-        print(f"{r['case']:<44} {r['solver']:<13} {fused:9.1f} {xla:9.1f} {r[key]:9.2f} "
+        print(f"{r['case']:<44} {r['solver']:<26} {fused:9.1f} {xla:9.1f} {r[key]:9.2f} "
               f"{r['tflops']:8.1f} {r['gbs']:7.0f} {r['floor_us']:8.1f} "
               f"{r['fused_over_floor']:6.1f} {r['rel_error_vs_xla']:8.1e}", file=out)
     groups: dict[tuple[Any, ...], list[float]] = {}
