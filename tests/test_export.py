@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cases import TOLERANCE, relative_error
 
 import jaxfuse as jf
 
@@ -94,9 +95,17 @@ def test_round_trip_in_a_fresh_process(device, tmp_path: Path) -> None:
     for name, want in expected.items():
         got = np.load(tmp_path / f"{name}.out.npz")
         assert len(got.files) == len(want)
-        for i, w in enumerate(want):  # the same program on the same inputs: identical results
-            np.testing.assert_array_equal(got[f"arr_{i}"], np.asarray(w, np.float32),
-                                          err_msg=f"{name} output {i}")
+        for i, w in enumerate(want):
+            w = np.asarray(w, np.float32)
+            if device.platform == "cpu" or name != "grad":
+                # The same program on the same inputs: identical results (jaxfuse's kernels
+                # are deterministic).
+                np.testing.assert_array_equal(got[f"arr_{i}"], w, err_msg=f"{name} output {i}")
+            else:
+                # The backward pass is XLA's convolutions, whose cuDNN algorithm (TF32 or not,
+                # summation order) may be picked differently by another process.
+                err = relative_error(got[f"arr_{i}"], w.astype(np.float64))
+                assert err <= TOLERANCE[np.dtype(np.float32)], f"{name} output {i}: {err:.2e}"
 
 
 def test_export_names_the_custom_call_without_the_disabled_check() -> None:
