@@ -16,7 +16,7 @@ __all__ = ["DEFAULT_PARAMS", "ActivationMode", "activation_mode", "jax_activatio
            "reference_activation"]
 
 
-class ActivationMode(str, enum.Enum):
+class ActivationMode(enum.StrEnum):
     """The activation modes a plan's activation operator can take."""
 
     PASSTHRU = "passthru"
@@ -34,9 +34,6 @@ class ActivationMode(str, enum.Enum):
     def code(self) -> int:
         """The integer the C++ epilogue switches on."""
         return _CODES[self]
-
-    def __str__(self) -> str:
-        return self.value
 
 
 _CODES = {mode: i for i, mode in enumerate(ActivationMode)}
