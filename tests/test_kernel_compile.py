@@ -1,6 +1,7 @@
-"""Every GPU kernel variant compiles with NVRTC for sm_80 and sm_90 — no GPU needed, so a
-broken kernel source fails CI on machines without one. (CI sets JAXFUSE_REQUIRE_NVRTC=1 so
-a missing NVRTC is a failure there, not a skip.)"""
+"""Every GPU kernel variant compiles with NVRTC for sm_80 and sm_90, and with hiprtc for AMD
+targets — no GPU needed, so a broken kernel source fails CI on machines without one. (CI sets
+JAXFUSE_REQUIRE_NVRTC=1, and JAXFUSE_REQUIRE_HIPRTC=1 when it could install Debian's ROCm
+runtime, so a missing compiler is a failure there, not a skip.)"""
 
 from __future__ import annotations
 
@@ -99,3 +100,29 @@ def test_every_tile_variant_compiles(case: Case, arch: str) -> None:
         assert out["binary_bytes"] > 0 and out["tile"]
         tiles.add(out["tile"])
     assert len(tiles) == count, "variants are distinct tiles"
+
+
+def _hiprtc_available() -> bool:
+    try:
+        extension().gpu_compiler("ROCM")
+        return True
+    except RuntimeError:
+        return False
+
+
+HIPRTC = _hiprtc_available()
+if not HIPRTC and os.environ.get("JAXFUSE_REQUIRE_HIPRTC") == "1":
+    raise RuntimeError("JAXFUSE_REQUIRE_HIPRTC=1 but hiprtc cannot be loaded")
+
+# CDNA2 and RDNA2. (Newer targets such as gfx1100 crash Debian's LLVM-15-based hiprtc.)
+AMD_ARCHS = ["gfx90a", "gfx1030"]
+
+
+@pytest.mark.skipif(not HIPRTC, reason="hiprtc is not installed")
+@pytest.mark.parametrize("arch", AMD_ARCHS)
+@pytest.mark.parametrize("case", VARIANTS, ids=str)
+def test_kernel_compiles_for_amd(case: Case, arch: str) -> None:
+    out = extension().gpu_compile_only("ROCM", case.build()[0].signature.encode(), arch)
+    assert out["binary_bytes"] > 0
+    # The tensor-core solvers are CUDA-only; HIP runs the portable kernels.
+    assert out["solver"] in ("pointwise", "conv_direct", "conv_depthwise")

@@ -79,7 +79,9 @@ RuntimeCompiler::RuntimeCompiler(Platform platform) : platform_(platform) {
   api->lib = std::make_unique<DynamicLibrary>(
       cuda ? Candidates("JAXFUSE_NVRTC", {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"},
                         {"/usr/local/cuda/lib64"})
-           : Candidates("JAXFUSE_HIPRTC", {"libhiprtc.so", "libhiprtc.so.6", "libhiprtc.so.5"},
+           // ROCm 5 ships hiprtc inside libamdhip64; ROCm 6 splits it out.
+           : Candidates("JAXFUSE_HIPRTC", {"libhiprtc.so", "libhiprtc.so.6", "libhiprtc.so.5",
+                                           "libamdhip64.so.5", "libamdhip64.so"},
                         {"/opt/rocm/lib"}));
   if (!api->lib->loaded()) {
     throw std::runtime_error(std::string("jaxfuse: cannot load the runtime compiler (") +
