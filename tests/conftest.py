@@ -18,6 +18,10 @@ os.environ.setdefault("JAXFUSE_POISON_OUTPUTS", "1")
 import jax
 import pytest
 
+# Child processes the tests start run with `python -P` (Python >= 3.11): without it, `-c`/`-m`
+# put the working directory (the source tree) first on sys.path, and the children would import
+# the uncompiled sources instead of the installed package.
+
 
 def _gpu_devices() -> list:
     try:

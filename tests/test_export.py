@@ -88,7 +88,7 @@ def test_round_trip_in_a_fresh_process(device, tmp_path: Path) -> None:
                  **{f"arg{i}": np.asarray(a, np.float32) for i, a in enumerate(args)})
         expected[name] = jax.tree_util.tree_leaves(fn(*args))
     run = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS, device.platform,
+        [sys.executable, "-P", "-c", FRESH_PROCESS, device.platform,
          *(str(tmp_path / name) for name in expected)],
         capture_output=True, text=True, env=dict(os.environ), timeout=300)
     assert run.returncode == 0, run.stderr

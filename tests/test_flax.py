@@ -673,7 +673,7 @@ def test_dtype_promotion_like_flax(dtype: str | None, param_dtype: str) -> None:
 def test_import_jaxfuse_does_not_import_flax() -> None:
     code = "import sys, jaxfuse; assert 'flax' not in sys.modules; import jaxfuse.flax; " \
            "assert 'flax' in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True)
 
 
 @pytest.mark.parametrize("spec,mode,alpha", [

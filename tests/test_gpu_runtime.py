@@ -33,8 +33,8 @@ def _child(cache_dir: str, extra_env: dict[str, str] | None = None) -> dict:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, "JAXFUSE_AUTOTUNE": "0",
            **(extra_env or {})}
     code = _CHILD.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -90,7 +90,7 @@ _VARIANTS_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("variant", [0, 1, 2, 3])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
-    done = subprocess.run([sys.executable, "-c",
+    done = subprocess.run([sys.executable, "-P", "-c",
                            _VARIANTS_CHILD.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
@@ -106,7 +106,7 @@ def test_under_cuda_graphs(tmp_path) -> None:
 def test_info_lists_compiled_kernels(tmp_path) -> None:
     _child(str(tmp_path))
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-m", "jaxfuse", "info"], env=env,
+    done = subprocess.run([sys.executable, "-P", "-m", "jaxfuse", "info"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "1 compiled kernel(s)" in done.stdout

@@ -417,7 +417,7 @@ def test_eval_shape_needs_no_backend() -> None:
             print("no backend", out.shape, len(grads), batched.shape)
     """)
     env = {**os.environ, "JAX_PLATFORMS": "no_such_platform"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
                             env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "no backend (2, 6, 6, 8) 7 (3, 2, 6, 6, 8)"

@@ -68,7 +68,7 @@ def child() -> None:
 
 def _run_child(cache: str) -> dict[str, Any]:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": cache}
-    done = subprocess.run([sys.executable, "-m", "jaxfuse.bench.compile_time", "--child"],
+    done = subprocess.run([sys.executable, "-P", "-m", "jaxfuse.bench.compile_time", "--child"],
                           env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
