@@ -33,7 +33,12 @@ std::vector<std::string_view> Split(std::string_view text, char sep) {
 int64_t ParseInt(std::string_view field, std::string_view text, int64_t lo, int64_t hi) {
   int64_t value = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || ptr != text.data() + text.size()) {
+  const bool whole = ptr == text.data() + text.size();
+  if (ec == std::errc::result_out_of_range && whole) {
+    Fail(std::string(field) + " entry " + std::string(text) + " is outside [" +
+         std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  if (ec != std::errc() || !whole) {
     Fail(std::string(field) + " has a non-integer entry '" + std::string(text) + "'");
   }
   if (value < lo || value > hi) {
