@@ -249,11 +249,13 @@ void RunPointwise(const PlanSpec& spec, const FusedParams& buf, const Epilogue& 
   const int64_t pixels = spec.n * plane;
   const int64_t per_task = std::max<int64_t>(1, kChunk / spec.c);
   ParallelFor((pixels + per_task - 1) / per_task, [&](int64_t t) {
-    std::vector<float> vals(spec.c);
+    alignas(64) float vals[kChunk];  // a pixel's channels, kChunk at a time
     for (int64_t pix = t * per_task; pix < std::min(pixels, (t + 1) * per_task); ++pix) {
-      const int64_t offset = pix * spec.c;
-      LoadRow(buf.x, offset, spec.dtype, spec.c, vals.data());
-      ep.ApplyAndStore(vals.data(), spec.c, {0, 1, (pix % plane) * spec.c, 1, offset, 1});
+      for (int64_t c0 = 0; c0 < spec.c; c0 += kChunk) {
+        const int64_t offset = pix * spec.c + c0, len = std::min(kChunk, spec.c - c0);
+        LoadRow(buf.x, offset, spec.dtype, len, vals);
+        ep.ApplyAndStore(vals, len, {c0, 1, (pix % plane) * spec.c + c0, 1, offset, 1});
+      }
     }
   });
 }
