@@ -495,3 +495,84 @@ def test_traced_scalars_are_checked_under_jit() -> None:
         jax.jit(run)(x, np.ones(3, np.float32))
     with pytest.raises(TypeError, match="real number"):
         jax.jit(run)(x, np.complex64(1))
+
+
+# ----- the functional API -----------------------------------------------------------------------
+
+_DIMENSION_NUMBERS = st.sampled_from([
+    None, ("NCHW", "OIHW", "NCHW"), ("NHWC", "HWIO", "NHWC"), ("nhwc", "ohwi", "NHWC"),
+    ("NHWC", "HWIO", "NCHW"), ("NCHW", "IOHW", "NCHW"), ("NCHW",), "NCHW", 5,
+    ("NCHW", "OIHW", None)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    dimension_numbers: Any
+    strides: Any
+    padding: Any
+    dilation: Any
+    groups: Any
+    bias: bool
+    activation: Any
+    dtype: str
+    w_dtype: str
+
+
+_CALL = st.builds(
+    Call, dimension_numbers=_mostly(st.sampled_from([None, ("NHWC", "HWIO", "NHWC")]),
+                                    _DIMENSION_NUMBERS, 3),
+    strides=_mostly(st.tuples(_SMALL_STEP, _SMALL_STEP),
+                    st.sampled_from([2, (1,), (1, 2, 3), "1", (0, 1), None])),
+    padding=_mostly(st.sampled_from(["SAME", "VALID", ((1, 1), (0, 2))]),
+                    st.sampled_from([3, (1, 2), ((1,), (2,)), "FULL", None, [[1, 1], [1, 1]],
+                                     ((1, 2, 3), (0, 0)), ((1.5, 1), (0, 0))])),
+    dilation=_mostly(st.tuples(_SMALL_STEP, _SMALL_STEP), st.sampled_from([0, (1,), "x"])),
+    groups=_mostly(st.just(1), st.sampled_from([2, 3, 0, -1, 1.0, "1", None])),
+    bias=st.booleans(), activation=_mostly(st.sampled_from((*MODES, None)),
+                                           st.sampled_from(["gelu", 7, ["relu"]])),
+    dtype=st.sampled_from(DTYPES), w_dtype=_mostly(st.none(), st.sampled_from(DTYPES)))
+
+
+def _call_body(call: Call, device: Any) -> None:
+    layouts = (call.dimension_numbers if isinstance(call.dimension_numbers, tuple)
+               and len(call.dimension_numbers) == 3 and all(isinstance(s, str) for s in
+                                                           call.dimension_numbers)
+               else ("NCHW", "OIHW", "NCHW"))
+    lhs, rhs = layouts[0].upper(), layouts[1].upper()
+    rng = np.random.default_rng(0)
+    c, k = 4, 6
+    x_shape = {"NCHW": (2, c, 7, 6), "NHWC": (2, 7, 6, c)}.get(lhs, (2, c, 7, 6))
+    w_shape = FILTER_SHAPES.get(rhs, FILTER_SHAPES["OIHW"])(k, c, 3, 2)
+    x = jax.device_put(jnp.asarray(rng.standard_normal(x_shape), call.dtype), device)
+    w = jax.device_put(jnp.asarray(rng.standard_normal(w_shape) / 5, call.w_dtype or call.dtype),
+                       device)
+    b = rng.standard_normal(k).astype(np.float32) if call.bias else None
+    kwargs = dict(window_strides=call.strides, padding=call.padding, rhs_dilation=call.dilation,
+                  feature_group_count=call.groups, dimension_numbers=call.dimension_numbers,
+                  activation=call.activation)
+    try:
+        out = jf.conv_bias_activation(x, w, b, **kwargs)
+    except Exception as err:
+        _assert_clear(err)
+        event(f"refused: {type(err).__name__}")
+        return
+    event("accepted")
+    dn = call.dimension_numbers or ("NCHW", "OIHW", "NCHW")
+    ref = lax.conv_general_dilated(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), call.strides,
+        jf.ConvDesc(padding=call.padding).padding,  # lax's form of the accepted padding
+        rhs_dilation=call.dilation, dimension_numbers=tuple(s.upper() for s in dn),
+        feature_group_count=call.groups, precision=lax.Precision.HIGHEST)
+    if b is not None:
+        ref = ref + (b if dn[0].upper() == "NHWC" else b[:, None, None])
+    if call.activation is not None:
+        ref = jf.activations.reference_activation(call.activation, ref)
+    tol = Case(dtype=call.dtype).tolerance(device)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    err = np.linalg.norm(np.asarray(jnp.asarray(out, jnp.float32) - ref)) / max(
+        float(np.linalg.norm(np.asarray(ref))), 1e-30)
+    assert err <= max(tol, 1e-5), err
+
+
+def test_functional_api_arguments(device) -> None:
+    _check(device, 25, _CALL, _call_body)
