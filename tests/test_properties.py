@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jaxfuse as jf
+from jaxfuse._extension import extension
 from jaxfuse.activations import ActivationMode
 from jaxfuse.reference import reference_float64
 
@@ -576,3 +577,59 @@ def _call_body(call: Call, device: Any) -> None:
 
 def test_functional_api_arguments(device) -> None:
     _check(device, 25, _CALL, _call_body)
+
+
+# ----- GPU kernels for any accepted geometry compile (NVRTC; no GPU needed) ---------------------
+
+def _nvrtc_available() -> bool:
+    try:
+        extension().gpu_compiler("CUDA")
+    except RuntimeError:
+        return False
+    return True
+
+
+@st.composite
+def _tensor_core_geometries(draw: Any) -> Geometry:
+    """Geometry the tensor-core solvers take (NHWC, 16-bit, channels in multiples of 8 or 16),
+    with the same odd strides, padding, dilation, windows and empty batches as above."""
+    g = draw(_geometries())
+    c = draw(st.sampled_from([16, 32, 64, 128, 3, 8]))
+    groups = draw(_mostly(st.just(1), st.sampled_from([2, c]), 4))
+    return dataclasses.replace(
+        g, c=c, k=draw(st.sampled_from([8, 16, 24, 64, 128])) * (groups if groups > 1 else 1),
+        ci=None, groups=groups, layout="NHWC", dtype=draw(st.sampled_from(["float16",
+                                                                            "bfloat16"])),
+        filter_layout=draw(st.sampled_from(["HWIO", "OHWI", "OIHW"])), w=draw(st.integers(1, 20)),
+        h=draw(st.integers(1, 20)))
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not installed")
+def test_gpu_kernels_compile_for_any_accepted_geometry() -> None:
+    ext = extension()
+
+    @settings(max_examples=60 if EXPLORE else 12, deadline=None, derandomize=not EXPLORE,
+              database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.one_of(_tensor_core_geometries(), _geometries()))
+    def run(g: Geometry) -> None:
+        plan = jf.FusionPlan(jf.TensorDesc(
+            (g.n, g.c, g.h, g.w) if g.layout == "NCHW" else (g.n, g.h, g.w, g.c), g.dtype,
+            g.layout))
+        try:
+            plan.add_conv_forward(
+                jf.ConvDesc(g.strides, g.padding, g.dilation, g.groups),
+                jf.TensorDesc(FILTER_SHAPES[g.filter_layout](g.k, g.filter_in, g.r, g.s),
+                              g.dtype, g.filter_layout))
+            plan.add_activation_forward(g.activation)
+        except ALLOWED as err:
+            _assert_clear(err)
+            return
+        for arch in ("sm_80", "sm_90"):
+            try:
+                out = ext.gpu_compile_only("CUDA", plan.signature.encode(), arch)
+            except ValueError as err:  # the plan parser's documented limits
+                assert re.search(LIMIT_MESSAGE, str(err)), err
+                return
+            assert out["binary_bytes"] > 0, (g, arch)
+
+    run()
