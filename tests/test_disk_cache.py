@@ -332,7 +332,9 @@ _GPU_CHILD = textwrap.dedent("""
 
 
 def _gpu_children(cache_dir: Path, count: int) -> list[tuple[dict, str]]:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(cache_dir)}
+    # Children share the GPU with this process and each other: no up-front memory grab.
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(cache_dir),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     code = _GPU_CHILD.format(tests=os.path.dirname(__file__))
     children = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for _ in range(count)]
