@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "cpu/fused_cpu.h"
 #include "cpu/thread_pool.h"
 #include "ffi/handlers.h"
 #include "ffi/plan_registry.h"
@@ -66,7 +67,8 @@ NB_MODULE(_jaxfuse_ext, m) {
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
 
   m.def("cpu_prepare", [](std::string_view plan) {
-    jaxfuse::LookupPlan(plan);  // parses and validates once; raises ValueError if malformed
+    // Parses and validates once; raises ValueError if malformed or refused by the CPU backend.
+    jaxfuse::cpu::CheckSupported(*jaxfuse::LookupPlan(plan));
     return std::string("cpu");
   }, nb::arg("plan"), "Validates a plan signature for the CPU backend.");
 
@@ -138,16 +140,43 @@ NB_MODULE(_jaxfuse_ext, m) {
     return jaxfuse::gpu::Driver::Get(ParsePlatform(platform)).DeviceName(ordinal);
   }, nb::arg("platform"), nb::arg("ordinal"));
 
-  m.def("gpu_cache", [] {
+  m.def("gpu_cache", [](bool keys) {
     auto& disk = jaxfuse::gpu::DiskCache::Global();
     nb::dict out;
     out["directory"] = disk.directory();
     out["problem"] = disk.problem();
-    nb::list keys;
-    for (const std::string& key : disk.Keys()) keys.append(key);
-    out["keys"] = keys;
+    nb::list key_list;
+    if (keys) {
+      for (const std::string& key : disk.Keys()) key_list.append(key);
+    }
+    out["keys"] = key_list;
     return out;
-  }, "The disk kernel cache: directory, why it is off (if it is), and the keys it holds.");
+  }, nb::arg("keys") = true,
+     "The disk kernel cache: directory, why it is off (if it is), and (reading every entry,\n"
+     "unless keys=False) the keys it holds.");
+
+  // A disk cache of its own, for tests of the cache on machines without a GPU; the backend
+  // uses only the global one (gpu_configure).
+  nb::class_<jaxfuse::gpu::DiskCache>(m, "_DiskCache")
+      .def(nb::init<>())
+      .def("configure", &jaxfuse::gpu::DiskCache::Configure, nb::arg("directory"))
+      .def_prop_ro("problem", &jaxfuse::gpu::DiskCache::problem)
+      .def("load", [](jaxfuse::gpu::DiskCache& cache, const std::string& key) -> nb::object {
+        std::string binary;
+        bool hit;
+        {
+          nb::gil_scoped_release release;
+          hit = cache.Load(key, &binary);
+        }
+        if (!hit) return nb::none();
+        return nb::bytes(binary.data(), binary.size());
+      }, nb::arg("key"), "The verified entry for `key`, or None.")
+      .def("store", [](jaxfuse::gpu::DiskCache& cache, const std::string& key, nb::bytes data) {
+        std::string binary(static_cast<const char*>(data.data()), data.size());
+        nb::gil_scoped_release release;
+        cache.Store(key, binary);
+      }, nb::arg("key"), nb::arg("data"))
+      .def("keys", &jaxfuse::gpu::DiskCache::Keys);
 
   m.def("gpu_stats", [] {
     const auto s = jaxfuse::gpu::Stats();

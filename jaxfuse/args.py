@@ -8,9 +8,11 @@ recompile. Arrays and scalars are pytree leaves, so args pass through ``jax.jit`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._compat import Tracer
@@ -43,6 +45,7 @@ def _require(op: Any, cls: type[FusionOp], setter: str, adder: str) -> None:
 
 def _check_blend_beta(beta: Any, setter: str) -> None:
     # JAX results are fresh buffers, so there is no prior output to blend into.
+    _check_scalar(f"{setter}: beta", beta)
     if _is_concrete(beta) and float(np.asarray(beta)) != 0.0:
         raise ValueError(f"{setter}: beta={beta} is not supported (JAX outputs are fresh "
                          "buffers, so the blend factor beta must be 0)")
@@ -50,6 +53,36 @@ def _check_blend_beta(beta: Any, setter: str) -> None:
 
 def _is_concrete(value: Any) -> bool:
     return not isinstance(value, Tracer)
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    """A runtime scalar travels as one float32: it must be a real number (a Python or NumPy
+    scalar, or a 0-d array or tracer) that float32 can hold. NaN and infinities pass through."""
+    if isinstance(value, (bool, int, float)):
+        number = value
+    elif hasattr(value, "shape") and hasattr(value, "dtype"):  # NumPy/jax scalars and arrays
+        if tuple(value.shape) != ():
+            raise ValueError(f"{name} must be a scalar, got an array of shape "
+                             f"{tuple(value.shape)}")
+        dtype = np.dtype(value.dtype)
+        if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+                or dtype == np.bool_):
+            raise TypeError(f"{name} must be a real number, got dtype {dtype.name}")
+        if not _is_concrete(value):
+            return
+        number = np.asarray(value, np.float64).item()
+    else:
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        fits = not math.isfinite(float(number)) or abs(float(number)) <= _FLOAT32_MAX
+    except OverflowError:  # a Python int beyond float64
+        fits = False
+    if not fits:
+        raise ValueError(f"{name}={value!r} does not fit in float32 (largest finite magnitude "
+                         f"{_FLOAT32_MAX:.4g})")
 
 
 def _check_array(name: str, value: Any, shape: tuple[int, ...], dtype: Any | None) -> None:
@@ -83,6 +116,7 @@ class OperatorArgs:
         _require(op, ConvForwardOp, "set_conv_forward", "add_conv_forward")
         _check_blend_beta(beta, "set_conv_forward")
         _check_array("set_conv_forward: w", w, op.filter.shape, op.filter.dtype)
+        _check_scalar("set_conv_forward: alpha", alpha)
         return self._set(op, (w,), (("conv_alpha", alpha),))
 
     def set_bias_forward(self, op: BiasForwardOp, b: Any) -> OperatorArgs:
@@ -103,6 +137,7 @@ class OperatorArgs:
                             ("variance", variance)):
             if value is None:
                 raise ValueError(f"set_batchnorm_inference: {name} is missing")
+        _check_scalar("set_batchnorm_inference: epsilon", epsilon)
         if _is_concrete(epsilon) and not float(np.asarray(epsilon)) >= 0:
             raise ValueError(f"set_batchnorm_inference: epsilon must be >= 0, got {epsilon}")
         return self._set(op, (scale, shift, mean, variance), (("bn_epsilon", epsilon),))
@@ -112,6 +147,7 @@ class OperatorArgs:
         _require(op, SideInputAddOp, "set_side_input_add", "add_side_input_add")
         if z is None:
             raise ValueError("set_side_input_add: z is missing")
+        _check_scalar("set_side_input_add: alpha", alpha)
         return self._set(op, (z,), (("side_alpha", alpha),))
 
     def set_activation_forward(self, op: ActivationForwardOp, alpha: Any = None,
@@ -122,6 +158,8 @@ class OperatorArgs:
         values = (("act_alpha", da if alpha is None else alpha),
                   ("act_beta", db if beta is None else beta),
                   ("act_gamma", dg if gamma is None else gamma))
+        for (_, value), given in zip(values, ("alpha", "beta", "gamma")):
+            _check_scalar(f"set_activation_forward: {given}", value)
         return self._set(op, (), values)
 
     def _set(self, op: FusionOp, arrays: tuple[Any, ...],

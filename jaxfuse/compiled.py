@@ -28,8 +28,9 @@ class CompiledPlan:
     details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
 
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards the dicts and counters below, never held while compiling
 _compiled: dict[tuple[str, int, PlanSignature], CompiledPlan] = {}
+_compiling: dict[tuple[str, int, PlanSignature], threading.Lock] = {}
 _stats = {"compilations": 0, "hits": 0}
 
 
@@ -39,19 +40,41 @@ def default_device() -> Any:
 
 
 def compile_signature(signature: PlanSignature, device: Any = None) -> CompiledPlan:
-    """Compiles `signature` for `device` once; later calls with an equal signature are hits."""
+    """Compiles `signature` for `device` once; later calls with an equal signature are hits.
+
+    Thread-safe: different signatures compile concurrently (the extension releases the GIL),
+    and threads asking for the same one wait for a single compilation.
+    """
     device = default_device() if device is None else device
     platform = device.platform.lower()
     key = (platform, device.id, signature)
     with _lock:
-        hit = _compiled.get(key)
+        hit = _lookup(key)
         if hit is not None:
-            _stats["hits"] += 1
             return hit
-        compiled = _compile(signature, platform, device)
-        _compiled[key] = compiled
-        _stats["compilations"] += 1
-        return compiled
+        key_lock = _compiling.setdefault(key, threading.Lock())
+    with key_lock:
+        with _lock:
+            hit = _lookup(key)  # compiled by the thread this one waited for
+            if hit is not None:
+                return hit
+        try:
+            compiled = _compile(signature, platform, device)
+            with _lock:  # published before the per-plan lock goes: no window for a 2nd compile
+                _compiled[key] = compiled
+                _stats["compilations"] += 1
+            return compiled
+        finally:
+            with _lock:
+                _compiling.pop(key, None)
+
+
+def _lookup(key: tuple[str, int, PlanSignature]) -> CompiledPlan | None:
+    """A memoized plan, counted as a hit (with _lock held)."""
+    hit = _compiled.get(key)
+    if hit is not None:
+        _stats["hits"] += 1
+    return hit
 
 
 def _compile(signature: PlanSignature, platform: str, device: Any) -> CompiledPlan:
@@ -75,7 +98,6 @@ _warned_cache_problem = False
 
 def _compile_gpu(ext: Any, encoded: str, device: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
     """Compiles (or finds in the kernel caches) and loads the plan's kernel on `device`."""
-    global _warned_cache_problem
     platform = gpu_platform(device)
     ordinal = getattr(device, "local_hardware_id", None)
     ordinal = device.id if ordinal is None else ordinal
@@ -83,13 +105,21 @@ def _compile_gpu(ext: Any, encoded: str, device: Any) -> tuple[str, tuple[tuple[
         ext.gpu_register_device(platform, ordinal, str(device.compute_capability),
                                 int(getattr(device, "core_count", 0)), 64 * 1024)
     kernel = ext.gpu_prepare(platform, encoded, ordinal)
-    problem = ext.gpu_cache()["problem"]
-    if problem and not _warned_cache_problem:
-        _warned_cache_problem = True
-        warnings.warn(f"jaxfuse keeps GPU kernels in memory only: {problem}", RuntimeWarning,
-                      stacklevel=4)
+    _warn_once_if_disk_cache_off(ext.gpu_cache(keys=False)["problem"])
     details = tuple((k, kernel[k]) for k in ("tile", "variant", "arch", "origin"))
     return kernel["solver"], details
+
+
+def _warn_once_if_disk_cache_off(problem: str) -> None:
+    """Warns, once per process, that kernels stay in memory because the disk cache has
+    `problem` (an unsafe or unwritable directory, a failed write); silent when it is ""."""
+    global _warned_cache_problem
+    with _lock:
+        if not problem or _warned_cache_problem:
+            return
+        _warned_cache_problem = True
+    warnings.warn(f"jaxfuse keeps GPU kernels in memory only: {problem}", RuntimeWarning,
+                  stacklevel=5)
 
 
 def cache_info() -> dict[str, int]:

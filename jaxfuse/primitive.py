@@ -70,8 +70,26 @@ def _checked_operand(name: str, shape: tuple[int, ...], dtype: np.dtype, value: 
 
 @fused_chain_p.def_abstract_eval
 def _abstract_eval(*avals: Any, signature: PlanSignature) -> ShapedArray:
+    _check_avals(signature, avals)
     return ShapedArray(signature.output_shape, signature.dtype,
                        sharding=typed_output_sharding(signature, avals))
+
+
+def _check_avals(signature: Any, avals: Sequence[Any]) -> None:
+    """Refuses a direct bind whose operands contradict the signature, naming the operand (the
+    FFI handler checks again, for programs that never pass through here)."""
+    if not isinstance(signature, PlanSignature):
+        raise TypeError(f"fused_chain_p needs a PlanSignature, got {type(signature).__name__}")
+    specs = signature.operands
+    if len(avals) != len(specs):
+        raise TypeError(f"fused chain {signature.ops} takes {len(specs)} operands "
+                        f"({', '.join(s.name for s in specs)}), got {len(avals)}")
+    for spec, aval in zip(specs, avals):
+        if tuple(aval.shape) != spec.shape:
+            raise ValueError(f"{spec.name} has shape {tuple(aval.shape)}, expected {spec.shape}")
+        if np.dtype(aval.dtype) != spec.dtype:
+            raise TypeError(f"{spec.name} has dtype {np.dtype(aval.dtype).name}, expected "
+                            f"{spec.dtype.name}")
 
 
 @functools.cache

@@ -5,7 +5,8 @@ from, in order: ``$JAXFUSE_NVRTC`` / ``$JAXFUSE_HIPRTC``; the NVIDIA wheels jax'
 installs (``nvidia/cu13/lib``, ``nvidia/cuda_nvrtc/lib``); ``$CUDA_HOME``/``$CUDA_PATH``; the
 system's library path. Compiled kernels are cached in memory and on disk under
 ``$JAXFUSE_CACHE_DIR`` (default ``~/.cache/jaxfuse``); ``JAXFUSE_CACHE_DIR=""`` keeps them in
-memory only.
+memory only. Only a directory of the user's own that others cannot write is used, and every
+entry is verified before it is loaded (SECURITY.md).
 """
 
 from __future__ import annotations

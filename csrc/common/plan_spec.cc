@@ -10,8 +10,9 @@
 namespace jaxfuse {
 namespace {
 
-// Sizes are bounded so that products of a few of them never overflow int64.
-constexpr int64_t kMaxDim = int64_t{1} << 31;
+// Every size fits in int32, so kernels may index one dimension with an int, and products of a
+// few of them never overflow int64.
+constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
 
 [[noreturn]] void Fail(const std::string& what) {
   throw std::invalid_argument("invalid jaxfuse plan: " + what);
@@ -32,7 +33,12 @@ std::vector<std::string_view> Split(std::string_view text, char sep) {
 int64_t ParseInt(std::string_view field, std::string_view text, int64_t lo, int64_t hi) {
   int64_t value = 0;
   auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || ptr != text.data() + text.size()) {
+  const bool whole = ptr == text.data() + text.size();
+  if (ec == std::errc::result_out_of_range && whole) {
+    Fail(std::string(field) + " entry " + std::string(text) + " is outside [" +
+         std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  }
+  if (ec != std::errc() || !whole) {
     Fail(std::string(field) + " has a non-integer entry '" + std::string(text) + "'");
   }
   if (value < lo || value > hi) {
@@ -170,6 +176,11 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
     g.allow_tf32 = ParseInt("conv.tf32", f[13], 0, 1) == 1;
     if (spec.c % g.groups != 0 || g.k % g.groups != 0) {
       Fail("groups must divide the input and output channels");
+    }
+    // Input coordinates, padding included, must fit in int32 too (kernels compute them so).
+    if (spec.h + std::max<int64_t>(g.pad_t, 0) + std::max<int64_t>(g.pad_b, 0) > kMaxDim ||
+        spec.w + std::max<int64_t>(g.pad_l, 0) + std::max<int64_t>(g.pad_r, 0) > kMaxDim) {
+      Fail("the padded input is larger than 2^31 - 1 in height or width");
     }
     const int64_t eff_h = (g.r - 1) * g.dil_h + 1, eff_w = (g.s - 1) * g.dil_w + 1;
     const int64_t span_h = spec.h + g.pad_t + g.pad_b - eff_h;

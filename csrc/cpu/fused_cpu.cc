@@ -5,11 +5,13 @@
 #include "cpu/fused_cpu.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <string>
 
 #include "common/debug.h"
 #include "cpu/convert.h"
@@ -37,9 +39,18 @@ struct AlignedFree {
 using Scratch = std::unique_ptr<float[], AlignedFree>;
 
 Scratch Allocate(int64_t floats) {
+  // Sizes come from a validated plan, but a product of them can still be absurd: refuse
+  // rather than let the byte count wrap around.
+  if (floats < 0 || floats > (int64_t{1} << 60)) {
+    throw std::runtime_error("jaxfuse CPU backend: scratch of " + std::to_string(floats) +
+                             " floats is too large");
+  }
   const size_t bytes = ((static_cast<size_t>(floats) * sizeof(float) + 63) / 64 + 1) * 64;
   void* p = std::aligned_alloc(64, bytes);
-  if (p == nullptr) throw std::runtime_error("jaxfuse CPU backend: out of memory for scratch");
+  if (p == nullptr) {
+    throw std::runtime_error("jaxfuse CPU backend: out of memory for " + std::to_string(bytes) +
+                             " bytes of scratch");
+  }
   std::memset(p, 0, bytes);
   return Scratch(static_cast<float*>(p));
 }
@@ -238,19 +249,48 @@ void RunPointwise(const PlanSpec& spec, const FusedParams& buf, const Epilogue& 
   const int64_t pixels = spec.n * plane;
   const int64_t per_task = std::max<int64_t>(1, kChunk / spec.c);
   ParallelFor((pixels + per_task - 1) / per_task, [&](int64_t t) {
-    std::vector<float> vals(spec.c);
+    alignas(64) float vals[kChunk];  // a pixel's channels, kChunk at a time
     for (int64_t pix = t * per_task; pix < std::min(pixels, (t + 1) * per_task); ++pix) {
-      const int64_t offset = pix * spec.c;
-      LoadRow(buf.x, offset, spec.dtype, spec.c, vals.data());
-      ep.ApplyAndStore(vals.data(), spec.c, {0, 1, (pix % plane) * spec.c, 1, offset, 1});
+      for (int64_t c0 = 0; c0 < spec.c; c0 += kChunk) {
+        const int64_t offset = pix * spec.c + c0, len = std::min(kChunk, spec.c - c0);
+        LoadRow(buf.x, offset, spec.dtype, len, vals);
+        ep.ApplyAndStore(vals, len, {c0, 1, (pix % plane) * spec.c + c0, 1, offset, 1});
+      }
     }
   });
 }
 
 }  // namespace
 
+std::string Approx(double value) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.3g", value);
+  return buf;
+}
+
+// The convolution reads a zero-padded float32 copy of the input. With strides or dilation
+// that skip most of a huge padding, that copy could be far larger than anything the
+// convolution reads (gigabytes of zeros, or more than the address space); such plans are
+// refused. Ordinary padding (a few pixels, or dilated "SAME" padding) is far below the bound.
+void CheckSupported(const PlanSpec& spec) {
+  if (!spec.has_conv) return;
+  const Conv cv(spec);
+  const double padded = double(cv.n) * cv.hp * cv.wp * cv.c;
+  const double reads = double(cv.n) * cv.c * (double(cv.oh) * cv.ow * cv.r * cv.s + cv.h * cv.w);
+  if (padded > 16 * reads + double(1 << 24)) {
+    throw std::invalid_argument(
+        "jaxfuse CPU backend: the padding (" + std::to_string(spec.conv.pad_t) + ", " +
+        std::to_string(spec.conv.pad_b) + ", " + std::to_string(spec.conv.pad_l) + ", " +
+        std::to_string(spec.conv.pad_r) + ") is too large for a " + std::to_string(cv.h) + "x" +
+        std::to_string(cv.w) + " input with strides " + std::to_string(cv.sh) + "x" +
+        std::to_string(cv.sw) + ": the padded copy of the input would hold " + Approx(padded) +
+        " values, almost all never read");
+  }
+}
+
 void RunFused(const PlanSpec& spec, const FusedParams& buffers) {
   if (spec.output_elements() == 0) return;
+  CheckSupported(spec);
   if (PoisonOutputs()) {
     std::memset(buffers.y, 0xff, spec.output_elements() * dtype_size(spec.dtype));
   }

@@ -7,7 +7,11 @@
 
 namespace jaxfuse::cpu {
 
-// Runs the plan. Throws std::runtime_error on an internal failure (e.g. out of memory).
+// Throws std::invalid_argument if the CPU backend refuses the plan (see fused_cpu.cc).
+void CheckSupported(const PlanSpec& spec);
+
+// Runs the plan. Throws std::invalid_argument for a plan CheckSupported refuses and
+// std::runtime_error on an internal failure (e.g. out of memory).
 void RunFused(const PlanSpec& spec, const FusedParams& buffers);
 
 }  // namespace jaxfuse::cpu

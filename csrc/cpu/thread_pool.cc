@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -20,12 +21,19 @@ struct Job {
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable finished;
+  std::exception_ptr error;  // the first exception a task threw (guarded by mu)
 
-  // Claims and runs indices until none are left; returns true if it ran the last one.
+  // Claims and runs indices until none are left. An exception must not escape a worker
+  // thread (that would terminate the process): it is kept and rethrown to the caller.
   void Work() {
     int64_t ran = 0;
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      (*fn)(i);
+      try {
+        (*fn)(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
       ++ran;
     }
     if (ran && done.fetch_add(ran) + ran == n) {
@@ -61,6 +69,7 @@ class Pool {
     job->Work();
     std::unique_lock<std::mutex> lock(job->mu);
     job->finished.wait(lock, [&] { return job->done.load() == n; });
+    if (job->error) std::rethrow_exception(job->error);
   }
 
  private:

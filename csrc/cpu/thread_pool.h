@@ -11,7 +11,8 @@ namespace jaxfuse::cpu {
 // Threads the CPU kernels use: $JAXFUSE_NUM_THREADS, else the machine's hardware threads.
 int NumThreads();
 
-// Runs fn(i) for every i in [0, n), spread over the pool; returns when all are done.
+// Runs fn(i) for every i in [0, n), spread over the pool; returns when all are done, and
+// then rethrows the first exception any fn(i) threw.
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
 
 }  // namespace jaxfuse::cpu

@@ -2,6 +2,7 @@
 // execution, outside any CUDA-graph capture) compiles and loads the plan's kernel for the
 // device; the execute stage decodes and checks the operands and launches on XLA's stream.
 #include <exception>
+#include <stdexcept>
 
 #include "ffi/handlers.h"
 #include "ffi/operands.h"
@@ -20,6 +21,8 @@ ffi::Error Initialize(int32_t device_ordinal, std::string_view plan, ffi::Remain
   try {
     gpu::GetKernel(kPlatform, *LookupPlan(plan), device_ordinal);
     return ffi::Error::Success();
+  } catch (const std::invalid_argument& e) {  // a malformed plan
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
   } catch (const std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
   }
@@ -36,6 +39,8 @@ ffi::Error Execute(void* stream, int32_t device_ordinal, std::string_view plan,
     auto kernel = gpu::GetKernel(kPlatform, *spec, device_ordinal);
     gpu::Launch(kPlatform, *spec, *kernel, stream, BindParams(*spec, decoded));
     return ffi::Error::Success();
+  } catch (const std::invalid_argument& e) {  // a malformed plan
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
   } catch (const std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
   }

@@ -30,16 +30,52 @@ bool MakeDirs(const std::string& path) {
   }
 }
 
-// The whole file, or false if it cannot be read. (POSIX I/O: see codegen.cc on iostreams.)
-bool ReadFile(const std::string& path, std::string* contents) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
+// No kernel binary comes near this; a bigger file is not ours and is not read into memory.
+constexpr off_t kMaxFileBytes = off_t{1} << 30;
+
+enum class Entry { kMissing, kBad, kGood };
+
+// Reads the cache entry at `path` into `contents`. An entry is good only if it is a regular
+// file this user owns that no one else may write (loaded code is executed) and of a sane
+// size; anything else there (a link, a FIFO, a directory, a foreign file) is kBad. `seen` is
+// what the entry was, for DiscardIfUnchanged. (POSIX I/O: see codegen.cc on iostreams.)
+Entry ReadEntry(const std::string& path, std::string* contents, struct stat* seen) {
+  if (lstat(path.c_str(), seen) != 0) return Entry::kMissing;
+  if (!S_ISREG(seen->st_mode) || seen->st_uid != geteuid() ||
+      (seen->st_mode & (S_IWGRP | S_IWOTH)) || seen->st_size > kMaxFileBytes) {
+    return Entry::kBad;
+  }
+  // O_NONBLOCK: should the entry be swapped for a FIFO after lstat, open must not wait on it.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return Entry::kMissing;  // replaced or removed meanwhile: a plain miss
+  struct stat now {};
+  if (fstat(fd, &now) != 0 || now.st_dev != seen->st_dev || now.st_ino != seen->st_ino) {
+    close(fd);
+    return Entry::kMissing;
+  }
   contents->clear();
+  contents->reserve(static_cast<size_t>(now.st_size));
   char buffer[1 << 16];
   ssize_t n;
-  while ((n = read(fd, buffer, sizeof(buffer))) > 0) contents->append(buffer, n);
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0) {
+    contents->append(buffer, static_cast<size_t>(n));
+    if (contents->size() > static_cast<size_t>(kMaxFileBytes)) break;
+  }
   close(fd);
-  return n == 0;
+  return n == 0 ? Entry::kGood : Entry::kBad;
+}
+
+// Deletes a bad entry, unless another process has meanwhile renamed a fresh file into its
+// place (then the fresh file stays).
+void DiscardIfUnchanged(const std::string& path, const struct stat& seen) {
+  struct stat now {};
+  if (lstat(path.c_str(), &now) == 0 && now.st_dev == seen.st_dev && now.st_ino == seen.st_ino) {
+    if (S_ISDIR(now.st_mode)) {
+      rmdir(path.c_str());  // only if empty; otherwise it stays a miss every time
+    } else {
+      unlink(path.c_str());
+    }
+  }
 }
 
 // Parses a cache file; returns false if anything is off.
@@ -47,13 +83,22 @@ bool Parse(const std::string& text, std::string* key, std::string* payload) {
   const size_t magic_len = sizeof(kMagic) - 1;
   if (text.compare(0, magic_len, kMagic) != 0) return false;
   size_t pos = magic_len;
+  // A decimal or hexadecimal number on a line of its own: digits only, no sign, no spaces,
+  // short enough not to overflow.
   auto read_number = [&](uint64_t* value, int base) {
     const size_t end = text.find('\n', pos);
-    if (end == std::string::npos || end == pos || end - pos > 20) return false;
-    char* stop = nullptr;
-    const std::string field = text.substr(pos, end - pos);
-    *value = std::strtoull(field.c_str(), &stop, base);
-    if (stop == nullptr || *stop != '\0') return false;
+    const size_t max_digits = base == 16 ? 16 : 19;
+    if (end == std::string::npos || end == pos || end - pos > max_digits) return false;
+    uint64_t result = 0;
+    for (size_t i = pos; i < end; ++i) {
+      const char c = text[i];
+      int digit;
+      if (c >= '0' && c <= '9') digit = c - '0';
+      else if (base == 16 && c >= 'a' && c <= 'f') digit = c - 'a' + 10;
+      else return false;
+      result = result * static_cast<uint64_t>(base) + static_cast<uint64_t>(digit);
+    }
+    *value = result;
     pos = end + 1;
     return true;
   };
@@ -138,12 +183,18 @@ std::string DiskCache::PathFor(const std::string& key) const {
 
 bool DiskCache::Load(const std::string& key, std::string* binary) {
   std::lock_guard<std::mutex> lock(mu_);
+  binary->clear();
   if (!Usable()) return false;
   const std::string path = PathFor(key);
   std::string contents, stored_key;
-  if (!ReadFile(path, &contents)) return false;
-  if (Parse(contents, &stored_key, binary) && stored_key == key) return true;
-  std::remove(path.c_str());  // truncated, corrupted or a colliding key: rebuild it
+  struct stat seen {};
+  const Entry entry = ReadEntry(path, &contents, &seen);
+  if (entry == Entry::kMissing) return false;
+  if (entry == Entry::kGood && Parse(contents, &stored_key, binary) && stored_key == key) {
+    return true;
+  }
+  // Truncated, corrupted, a colliding key, or not a file of ours: rebuild it.
+  DiscardIfUnchanged(path, seen);
   binary->clear();
   return false;
 }
@@ -186,7 +237,9 @@ std::vector<std::string> DiskCache::Keys() const {
     const std::string name = entry->d_name;
     if (name.size() <= 4 || name.compare(name.size() - 4, 4, kSuffix) != 0) continue;
     std::string contents, key, payload;
-    if (ReadFile(directory_ + "/" + name, &contents) && Parse(contents, &key, &payload)) {
+    struct stat seen {};
+    if (ReadEntry(directory_ + "/" + name, &contents, &seen) == Entry::kGood &&
+        Parse(contents, &key, &payload)) {
       keys.push_back(key);
     }
   }

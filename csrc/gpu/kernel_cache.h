@@ -1,8 +1,10 @@
 // The on-disk kernel cache ($JAXFUSE_CACHE_DIR, default ~/.cache/jaxfuse): one file per
 // compiled kernel, named by a hash of its key. Files are written to a temporary name and
-// renamed, so readers in other processes never see half a file; every read checks the magic,
-// the full key and a checksum, and a file that fails is deleted and rebuilt. Only a directory
-// owned by this user and not writable by others is used (loaded code is executed).
+// renamed, so readers in other processes never see half a file; every read checks that the
+// entry is a regular file this user owns and no one else may write, then the magic, the full
+// key and a checksum, and an entry that fails is deleted and rebuilt. Only a directory owned by
+// this user and not writable by others is used (loaded code is executed). SECURITY.md says
+// what this protects against.
 #pragma once
 
 #include <mutex>
@@ -15,7 +17,8 @@ class DiskCache {
  public:
   static DiskCache& Global();
 
-  // Uses `directory` (created 0700 if missing); "" turns disk caching off.
+  // Uses `directory` (created 0700 if missing; checked on first use); "" turns disk caching
+  // off. A directory that fails the checks, or a failed write, turns it off too (problem()).
   void Configure(const std::string& directory);
   std::string directory() const;
   // Empty while the disk cache works; otherwise why it is off (for one Python warning).
