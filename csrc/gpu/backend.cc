@@ -167,19 +167,27 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
   kernel->generated = GenerateKernel(spec, device, kernel->variant);
   const std::string key = CacheKey(platform, device.arch, compiler.version(), kernel->generated,
                                    spec);
+  auto compile = [&] {
+    std::string fresh =
+        compiler.Compile(kernel->generated.source, CompileArch(kernel->generated, device));
+    kernel->origin = "compiled";
+    disk.Store(key, fresh);
+    Count(&BackendStats::compilations);
+    return fresh;
+  };
   std::string binary;
   if (disk.Load(key, &binary)) {
     kernel->origin = "disk cache";
-    std::lock_guard<std::mutex> stats_lock(stats_mu);
-    ++stats.disk_hits;
+    Count(&BackendStats::disk_hits);
+    try {
+      kernel->functions = driver.Load(ordinal, binary, kernel->generated.entries);
+    } catch (const std::exception&) {
+      // Verified but unloadable (e.g. written by a driver this one cannot read): rebuild it.
+      kernel->functions = driver.Load(ordinal, compile(), kernel->generated.entries);
+    }
   } else {
-    binary = compiler.Compile(kernel->generated.source, CompileArch(kernel->generated, device));
-    kernel->origin = "compiled";
-    disk.Store(key, binary);
-    std::lock_guard<std::mutex> stats_lock(stats_mu);
-    ++stats.compilations;
+    kernel->functions = driver.Load(ordinal, compile(), kernel->generated.entries);
   }
-  kernel->functions = driver.Load(ordinal, binary, kernel->generated.entries);
   {
     std::lock_guard<std::mutex> stats_lock(stats_mu);
     ++stats.loads;

@@ -168,6 +168,7 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO;
   return !device.hip && ArchNumber(device.arch) >= 80 && spec.dtype != DType::kF32 &&
          spec.layout == Layout::kNHWC && filter_ok && channels_ok && kg % 8 == 0 &&
+         g.r * g.s * cg < (int64_t{1} << 31) &&  // the k loop indexes the reduction with int
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
 }
 

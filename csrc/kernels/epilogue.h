@@ -58,7 +58,8 @@ JF_HD float activate(float x, float a, float b, float g) {
   if (Mode == kPassthru) return x;
   if (Mode == kLogistic) return 1.0f / (1.0f + expf(-x));
   if (Mode == kTanh) return b * tanhf(a * x);
-  if (Mode == kRelu) return x > 0.0f ? x : 0.0f;
+  // Written so NaN passes through, as jax.nn's do (x > 0 ? x : 0 would turn NaN into 0).
+  if (Mode == kRelu) return x < 0.0f ? 0.0f : x;
   // log(1 + exp(x)) without overflow for large x.
   if (Mode == kSoftrelu) return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
   if (Mode == kAbs) return fabsf(x);
@@ -66,7 +67,7 @@ JF_HD float activate(float x, float a, float b, float g) {
     const float base = a + b * x;
     return base > 0.0f ? powf(base, g) : 0.0f;
   }
-  if (Mode == kClippedRelu) return fminf(x > 0.0f ? x : 0.0f, a);
+  if (Mode == kClippedRelu) return x < 0.0f ? fminf(0.0f, a) : (x > a ? a : x);
   if (Mode == kLeakyRelu) return x > 0.0f ? x : a * x;
   if (Mode == kElu) return x > 0.0f ? x : a * expm1f(x);
   return x;
