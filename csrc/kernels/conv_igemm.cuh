@@ -34,8 +34,6 @@ constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
 constexpr bool kGatherA = CG % kBK != 0;  // few channels: flattened, gathered reduction
 constexpr i64 kReduction = kTaps * CG;
 constexpr int kKTiles = static_cast<int>((kReduction + kBK - 1) / kBK);
-constexpr i64 kMTiles = (M + kBM - 1) / kBM;
-constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
 
 // Shared memory, in 16-bit elements: A stored [m][kk]; B stored [kk][k] for HWIO filters (read
 // with transposing ldmatrix) or [k][kk] otherwise.
@@ -174,11 +172,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
 
   const int tid = threadIdx.x, lane = tid % kWarpSize, warp = tid / kWarpSize;
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
-  // Output-channel tiles vary fastest, so CTAs that share an activation tile run together.
-  const i64 block = blockIdx.x;
-  const int n0 = static_cast<int>(block % kNTiles) * kBN;
-  const i64 m0 = (block / kNTiles) % kMTiles * kBM;
-  const i64 group = block / (kNTiles * kMTiles);
+  const auto [m0, n0, group] = tile_coords<kBM, kBN>(blockIdx.x);
 
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);

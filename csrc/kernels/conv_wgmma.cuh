@@ -34,8 +34,6 @@ constexpr int kThreads = kWarpGroups * 128;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
 static_assert(kSplits >= 1 && kSplits <= 8 && kBM % kSplits == 0 && kKTiles >= kSplits,
               "split-K over at most 8 CTAs (a portable cluster), each with some k-tiles");
-constexpr i64 kMTiles = (M + kBM - 1) / kBM;
-constexpr i64 kNTiles = (KG + kBN - 1) / kBN;
 constexpr u32 kATileBytes = kBM * 128;
 constexpr u32 kBTileBytes = kBN * 128;
 constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
@@ -122,11 +120,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   const int split = static_cast<int>(blockIdx.x % kSplits);
   const int kt_begin = split * kKTiles / kSplits, kt_end = (split + 1) * kKTiles / kSplits;
   const int k_tiles = kt_end - kt_begin;
-  // Output-channel tiles vary fastest, so CTAs that share an activation tile run together.
-  const i64 block = blockIdx.x / kSplits;
-  const int n0 = static_cast<int>(block % kNTiles) * kBN;
-  const i64 m0 = (block / kNTiles) % kMTiles * kBM;
-  const i64 group = block / (kNTiles * kMTiles);
+  const auto [m0, n0, group] = tile_coords<kBM, kBN>(blockIdx.x / kSplits);
 
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);

@@ -16,6 +16,21 @@ constexpr i64 kTaps = R * S;
 // Filters stored [kk][k] (k contiguous: HWIO) or [k][kk] (OHWI, and OIHW when 1x1).
 constexpr bool kFiltersKMajor = kFilterLayout != kFilterHWIO;
 
+// Which output tile a CTA owns. Output-channel tiles vary fastest, so CTAs that share an
+// activation tile run together (and find it in L2).
+struct TileCoords {
+  i64 m0;     // first output pixel
+  int n0;     // first output channel within the group
+  i64 group;
+};
+
+template <int kBM, int kBN>
+JF_DEVICE TileCoords tile_coords(i64 tile) {
+  constexpr i64 kMTiles = (M + kBM - 1) / kBM, kNTiles = (KG + kBN - 1) / kBN;
+  return TileCoords{(tile / kNTiles) % kMTiles * kBM, static_cast<int>(tile % kNTiles) * kBN,
+                    tile / (kNTiles * kMTiles)};
+}
+
 // One output pixel's input window: fixed for a thread across the whole k loop.
 struct PixelRow {
   i64 image;     // n * H * W * C: the start of the pixel's image
