@@ -1,0 +1,560 @@
+// The CPU convolution as an implicit GEMM. Output pixels x output channels are computed in
+// register tiles (up to 14 pixels x 32 channels with AVX-512, 6 x 16 with AVX2), reading the
+// input as float32 NHWC (the caller's buffer itself when it already is that and unpadded, else
+// a padded copy) and the filters as rows of one tile's channels (the caller's HWIO buffer
+// itself when it can, else a packed copy). A tile covers part of one output row, or two whole
+// rows when rows are short (7x7 layers), so small images keep the registers full. Each task
+// owns a block of tiles and a range of channel blocks, sized so that its input rows and one
+// channel block's filters stay in L2 while every tile of the block reuses them.
+#include "cpu/conv_cpu.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#if defined(__linux__)
+#include <unistd.h>
+#endif
+
+#include "cpu/convert.h"
+#include "cpu/multiversion.h"
+#include "cpu/thread_pool.h"
+
+namespace jaxfuse::cpu {
+namespace {
+
+struct FreeDeleter {
+  void operator()(float* p) const { std::free(p); }
+};
+using Scratch = std::unique_ptr<float[], FreeDeleter>;
+
+// 64-byte aligned and uninitialized: the packers write every element.
+Scratch Allocate(int64_t floats) {
+  const size_t bytes = (static_cast<size_t>(floats) * sizeof(float) / 64 + 2) * 64;
+  void* p = std::aligned_alloc(64, bytes);
+  if (p == nullptr) throw std::runtime_error("jaxfuse CPU backend: out of memory for scratch");
+  return Scratch(static_cast<float*>(p));
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Bytes of L2 cache per core (what one task's working set should fit in).
+int64_t L2Bytes() {
+  static const int64_t bytes = [] {
+#if defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (size >= (64 << 10) && size <= (64 << 20)) return static_cast<int64_t>(size);
+#endif
+    return int64_t{1} << 20;
+  }();
+  return bytes;
+}
+
+// Sizes of one convolution, in the padded coordinates of the input view.
+struct Conv {
+  int64_t n, c, h, w, k, r, s, sh, sw, pt, pl, pb, pr, dh, dw, groups, cg, kg, hp, wp, oh, ow;
+  bool nchw;
+
+  explicit Conv(const PlanSpec& p)
+      : n(p.n), c(p.c), h(p.h), w(p.w), k(p.conv.k), r(p.conv.r), s(p.conv.s),
+        sh(p.conv.stride_h), sw(p.conv.stride_w), pt(p.conv.pad_t), pl(p.conv.pad_l),
+        pb(p.conv.pad_b), pr(p.conv.pad_r), dh(p.conv.dil_h), dw(p.conv.dil_w),
+        groups(p.conv.groups), cg(p.c / p.conv.groups), kg(p.conv.k / p.conv.groups),
+        hp(p.h + p.conv.pad_t + p.conv.pad_b), wp(p.w + p.conv.pad_l + p.conv.pad_r),
+        oh(p.out_h), ow(p.out_w), nchw(p.layout == Layout::kNCHW) {}
+
+  int64_t taps() const { return r * s; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Input: float32 NHWC in padded coordinates; element (b, y, x, ch) at
+// data + b * image + y * row + x * c + ch.
+struct InputView {
+  const float* data;
+  int64_t image, row;
+};
+
+// One padded row of the copy: zeros outside the input, the input (converted) inside.
+JF_MULTIVERSION void PackInputRow(const PlanSpec& spec, const Conv& cv, const void* x,
+                                  int64_t b, int64_t y, float* dst) {
+  const int64_t ih = y - cv.pt;
+  const int64_t x0 = std::max<int64_t>(0, cv.pl), iw0 = std::max<int64_t>(0, -cv.pl);
+  const int64_t count = std::max<int64_t>(0, std::min(cv.w - iw0, cv.wp - x0));
+  if (ih < 0 || ih >= cv.h || count == 0) {
+    std::memset(dst, 0, cv.wp * cv.c * sizeof(float));
+    return;
+  }
+  std::memset(dst, 0, x0 * cv.c * sizeof(float));
+  std::memset(dst + (x0 + count) * cv.c, 0, (cv.wp - x0 - count) * cv.c * sizeof(float));
+  float* out = dst + x0 * cv.c;
+  if (!cv.nchw) {
+    LoadRow(x, ((b * cv.h + ih) * cv.w + iw0) * cv.c, spec.dtype, count * cv.c, out);
+    return;
+  }
+  // NCHW: transpose through a small buffer, a few channels at a time.
+  constexpr int64_t kChunk = 256;
+  alignas(64) float tmp[kChunk];
+  for (int64_t ch = 0; ch < cv.c; ++ch) {
+    for (int64_t done = 0; done < count; done += kChunk) {
+      const int64_t len = std::min(kChunk, count - done);
+      LoadRow(x, ((b * cv.c + ch) * cv.h + ih) * cv.w + iw0 + done, spec.dtype, len, tmp);
+      float* o = out + done * cv.c + ch;
+      for (int64_t i = 0; i < len; ++i) o[i * cv.c] = tmp[i];
+    }
+  }
+}
+
+// The caller's buffer when it is float32 NHWC and nothing needs padding (negative padding
+// only crops, which is an offset); else a padded float32 NHWC copy with `slack` spare floats.
+InputView PrepareInput(const PlanSpec& spec, const Conv& cv, const void* x, int64_t slack,
+                       Scratch* holder) {
+  const bool direct = slack == 0 && !cv.nchw && spec.dtype == DType::kF32 && cv.pt <= 0 &&
+                      cv.pb <= 0 && cv.pl <= 0 && cv.pr <= 0;
+  if (direct) {
+    const float* origin = static_cast<const float*>(x) + (-cv.pt * cv.w - cv.pl) * cv.c;
+    return {origin, cv.h * cv.w * cv.c, cv.w * cv.c};
+  }
+  *holder = Allocate(cv.n * cv.hp * cv.wp * cv.c + slack);
+  float* xp = holder->get();
+  std::memset(xp + cv.n * cv.hp * cv.wp * cv.c, 0, slack * sizeof(float));
+  ParallelFor(cv.n * cv.hp, [&](int64_t row) {
+    PackInputRow(spec, cv, x, row / cv.hp, row % cv.hp, xp + row * cv.wp * cv.c);
+  });
+  return {xp, cv.hp * cv.wp * cv.c, cv.wp * cv.c};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Filters: for group g, channel block kb (nb output channels), tap t = y * s + x and input
+// channel ci, the nb weights at data + g * group + kb * block + (t * cg + ci) * ci_stride.
+struct FilterView {
+  const float* data;
+  int64_t group, block, ci_stride;
+};
+
+// One channel block, packed as [tap][ci][nb], zero past the group's last channel.
+JF_MULTIVERSION void PackFilterBlock(const PlanSpec& spec, const Conv& cv, const void* w,
+                                     int64_t nb, int64_t kblocks, int64_t blk, float* dst) {
+  const int64_t gi = blk / kblocks, kb = blk % kblocks;
+  const int64_t valid = std::min(nb, cv.kg - kb * nb);
+  const int64_t rows = cv.taps() * cv.cg;  // (tap, ci) pairs
+  const FilterLayout layout = spec.conv.filter_layout;
+  if (layout == FilterLayout::kHWIO) {
+    for (int64_t i = 0; i < rows; ++i) {
+      float* d = dst + i * nb;
+      LoadRow(w, i * cv.k + gi * cv.kg + kb * nb, spec.dtype, valid, d);
+      std::memset(d + valid, 0, (nb - valid) * sizeof(float));
+    }
+    return;
+  }
+  // OIHW / OHWI: one output channel's weights are contiguous; scatter them into column j.
+  std::vector<float> tmp(rows);
+  for (int64_t j = 0; j < nb; ++j) {
+    if (j >= valid) {
+      for (int64_t i = 0; i < rows; ++i) dst[i * nb + j] = 0.0f;
+      continue;
+    }
+    const int64_t ko = gi * cv.kg + kb * nb + j;
+    LoadRow(w, ko * rows, spec.dtype, rows, tmp.data());
+    if (layout == FilterLayout::kOHWI) {  // already (tap, ci)
+      for (int64_t i = 0; i < rows; ++i) dst[i * nb + j] = tmp[i];
+    } else {  // OIHW: (ci, tap)
+      const int64_t taps = cv.taps();
+      for (int64_t ci = 0; ci < cv.cg; ++ci)
+        for (int64_t t = 0; t < taps; ++t) dst[(t * cv.cg + ci) * nb + j] = tmp[ci * taps + t];
+    }
+  }
+}
+
+FilterView PrepareFilter(const PlanSpec& spec, const Conv& cv, const void* w, int64_t nb,
+                         Scratch* holder) {
+  if (spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO &&
+      cv.kg % nb == 0) {
+    return {static_cast<const float*>(w), cv.kg, nb, cv.k};
+  }
+  const int64_t kblocks = CeilDiv(cv.kg, nb);
+  const int64_t block = cv.taps() * cv.cg * nb;
+  *holder = Allocate(cv.groups * kblocks * block);
+  float* wp = holder->get();
+  ParallelFor(cv.groups * kblocks, [&](int64_t blk) {
+    PackFilterBlock(spec, cv, w, nb, kblocks, blk, wp + blk * block);
+  });
+  return {wp, kblocks * block, block, nb};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Register tiles.
+
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+// A vector width and the most pixels per tile that fit the register file with two vectors of
+// channels per pixel (accumulators + filter vectors + one broadcast).
+template <class V, int MaxPix>
+struct Config {
+  using Vec = V;
+  static constexpr int kLanes = sizeof(V) / sizeof(float);
+  static constexpr int kMaxPix = MaxPix;
+};
+using Avx512 = Config<Vec16, 14>;  // 28 accumulators of 32 zmm
+using Avx2 = Config<Vec8, 6>;      // 12 of 16 ymm
+using Portable = Config<Vec4, 6>;  // 12 of 16 xmm (32 NEON registers on Arm)
+constexpr int kMaxTilePix = 16;    // bound on every config's kMaxPix (transposed tile width)
+
+// What a tile reads: the input at the first tap for its first pixel in each of its two
+// segments (a segment is a run of pixels along one output row), and a channel block's filters.
+struct TileArgs {
+  const float* x0;
+  const float* x1;
+  int64_t pixel;       // floats between neighbouring pixels of a segment (stride * c)
+  const float* w;      // the block's weights at tap 0, input channel 0
+  int64_t w_row;       // floats between consecutive reduction rows of the weights
+  const int64_t* tap_x;  // per tap: offset in the input, and in the weights
+  const int64_t* tap_w;
+  int64_t taps, inner;   // taps, and reduction length per tap (contiguous in input and weights)
+};
+
+template <class V>
+JF_ALWAYS_INLINE V LoadVec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// acc[M0 + M1][NV] = sum over taps and the inner reduction of input * weights, stored to out
+// as [pixel][NV * lanes]. Pixels 7.. of the first segment get their own base pointer so the
+// compiler can address every pixel from a few registers without spilling.
+template <class V, int NV, int M0, int M1>
+JF_ALWAYS_INLINE void TileKernel(const TileArgs& a, float* out) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  V acc[M0 + M1][NV];
+  for (int p = 0; p < M0 + M1; ++p)
+    for (int v = 0; v < NV; ++v) acc[p][v] = V{};
+  const int64_t ps = a.pixel;
+  for (int64_t t = 0; t < a.taps; ++t) {
+    const float* p0 = a.x0 + a.tap_x[t];
+    const float* p0h = p0 + 7 * ps;
+    const float* p1 = a.x1 + a.tap_x[t];
+    const float* wr = a.w + a.tap_w[t];
+    for (int64_t i = 0; i < a.inner; ++i) {
+      V wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = LoadVec<V>(wr + v * kLanes);
+      for (int p = 0; p < M0; ++p) {
+        const float xv = p < 7 ? p0[p * ps] : p0h[(p - 7) * ps];
+        for (int v = 0; v < NV; ++v) acc[p][v] += xv * wv[v];
+      }
+      for (int p = 0; p < M1; ++p) {
+        const float xv = p1[p * ps];
+        for (int v = 0; v < NV; ++v) acc[M0 + p][v] += xv * wv[v];
+      }
+      ++p0;
+      ++p0h;
+      ++p1;
+      wr += a.w_row;
+    }
+  }
+  for (int p = 0; p < M0 + M1; ++p)
+    for (int v = 0; v < NV; ++v) std::memcpy(out + (p * NV + v) * kLanes, &acc[p][v], sizeof(V));
+}
+
+// Calls TileKernel for a one-segment tile of m pixels, or a two-segment tile of m + m.
+template <class Cfg, int NV, int... M>
+JF_ALWAYS_INLINE void TileSingle(int m, const TileArgs& a, float* out,
+                                 std::integer_sequence<int, M...>) {
+  (void)((m == M + 1 && (TileKernel<typename Cfg::Vec, NV, M + 1, 0>(a, out), true)) || ...);
+}
+template <class Cfg, int NV, int... M>
+JF_ALWAYS_INLINE void TilePair(int m, const TileArgs& a, float* out,
+                               std::integer_sequence<int, M...>) {
+  (void)((m == M + 1 && (TileKernel<typename Cfg::Vec, NV, M + 1, M + 1>(a, out), true)) || ...);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The work: tiles over flat output rows (b * oh + oy), tasks over blocks of tiles x groups x
+// ranges of channel blocks.
+
+struct Segment {
+  int64_t row, x0;
+  int m;
+};
+
+struct Job {
+  const Conv* cv;
+  const Epilogue* ep;
+  InputView in;
+  FilterView wt;
+  std::vector<int64_t> tap_x, tap_w;
+  int64_t inner;
+  int64_t nb, kblocks;
+  int max_pix;
+  bool pairs;         // a tile is two whole output rows
+  int64_t per_row;    // tiles per output row (when not pairs)
+  int64_t tiles, tile_block, kb_split, tasks;
+
+  // The tile's segments; the second has m == 0 when the tile has one.
+  void Segments(int64_t t, Segment* s0, Segment* s1) const {
+    if (pairs) {
+      *s0 = {2 * t, 0, static_cast<int>(cv->ow)};
+      const bool second = 2 * t + 1 < cv->n * cv->oh;
+      *s1 = {2 * t + 1, 0, second ? static_cast<int>(cv->ow) : 0};
+      return;
+    }
+    const int64_t row = t / per_row, piece = t % per_row;
+    const int64_t x0 = piece * cv->ow / per_row, x1 = (piece + 1) * cv->ow / per_row;
+    *s0 = {row, x0, static_cast<int>(x1 - x0)};
+    *s1 = {row, 0, 0};
+  }
+
+  const float* SegmentInput(const Segment& s, int64_t gi) const {
+    const int64_t b = s.row / cv->oh, oy = s.row % cv->oh;
+    return in.data + b * in.image + oy * cv->sh * in.row + s.x0 * cv->sw * cv->c + gi * cv->cg;
+  }
+
+  // Epilogue and store for one segment's results, tile[p * nb + j] for channel ch0 + j.
+  void Store(float* tile, const Segment& s, int64_t ch0, int64_t nch, float* transposed) const {
+    const int64_t b = s.row / cv->oh, oy = s.row % cv->oh, plane = cv->oh * cv->ow;
+    if (!cv->nchw) {
+      const int64_t pix = oy * cv->ow + s.x0;
+      ep->Apply({tile, s.m, nch, nb, (b * plane + pix) * cv->k + ch0, cv->k, ch0, false,
+                 pix * cv->k + ch0, cv->k});
+      return;
+    }
+    for (int64_t j = 0; j < nch; ++j)
+      for (int p = 0; p < s.m; ++p) transposed[j * kMaxTilePix + p] = tile[p * nb + j];
+    const int64_t pix = oy * cv->ow + s.x0;
+    ep->Apply({transposed, nch, s.m, kMaxTilePix, (b * cv->k + ch0) * plane + pix, plane, ch0,
+               true, ch0 * plane + pix, plane});
+  }
+};
+
+template <class Cfg, int NV>
+JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
+  constexpr int kNb = NV * Cfg::kLanes;
+  constexpr int kMax = Cfg::kMaxPix;
+  static_assert(kMax <= kMaxTilePix, "tile wider than the transpose buffer");
+  alignas(64) float tile[kMax * kNb];
+  alignas(64) float transposed[kNb * kMaxTilePix];
+  const Conv& cv = *job.cv;
+  const int64_t per_tb = cv.groups * job.kb_split;
+  const int64_t tb = task / per_tb, gi = (task % per_tb) / job.kb_split;
+  const int64_t piece = task % job.kb_split;
+  const int64_t t0 = tb * job.tile_block, t1 = std::min(job.tiles, t0 + job.tile_block);
+  const int64_t k0 = piece * job.kblocks / job.kb_split;
+  const int64_t k1 = (piece + 1) * job.kblocks / job.kb_split;
+  TileArgs a;
+  a.pixel = cv.sw * cv.c;
+  a.w_row = job.wt.ci_stride;
+  a.tap_x = job.tap_x.data();
+  a.tap_w = job.tap_w.data();
+  a.taps = static_cast<int64_t>(job.tap_x.size());
+  a.inner = job.inner;
+  for (int64_t kb = k0; kb < k1; ++kb) {
+    a.w = job.wt.data + gi * job.wt.group + kb * job.wt.block;
+    const int64_t ch0 = gi * cv.kg + kb * kNb, nch = std::min<int64_t>(kNb, cv.kg - kb * kNb);
+    for (int64_t t = t0; t < t1; ++t) {
+      Segment s0, s1;
+      job.Segments(t, &s0, &s1);
+      a.x0 = job.SegmentInput(s0, gi);
+      a.x1 = s1.m ? job.SegmentInput(s1, gi) : a.x0;
+      if (s1.m == 0) {
+        TileSingle<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax>());
+      } else {
+        TilePair<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax / 2>());
+      }
+      job.Store(tile, s0, ch0, nch, transposed);
+      if (s1.m) job.Store(tile + s0.m * kNb, s1, ch0, nch, transposed);
+    }
+  }
+}
+
+template <class Cfg>
+JF_ALWAYS_INLINE void RunTaskAnyWidth(const Job& job, int64_t task) {
+  if (job.nb == Cfg::kLanes) {
+    RunTask<Cfg, 1>(job, task);
+  } else {
+    RunTask<Cfg, 2>(job, task);
+  }
+}
+
+#ifdef JF_HAVE_X86_LEVELS
+JF_TARGET_AVX512 void RunTaskAvx512(const Job& job, int64_t task) {
+  RunTaskAnyWidth<Avx512>(job, task);
+}
+JF_TARGET_AVX2 void RunTaskAvx2(const Job& job, int64_t task) { RunTaskAnyWidth<Avx2>(job, task); }
+#endif
+void RunTaskPortable(const Job& job, int64_t task) { RunTaskAnyWidth<Portable>(job, task); }
+
+// Splits the tiles into blocks whose input rows fit half of L2, then adds tasks (channel
+// ranges first, which keep each block's input reuse, then smaller blocks) until every thread
+// has several to balance.
+void PlanTasks(Job* job) {
+  const Conv& cv = *job->cv;
+  const int64_t rows = cv.n * cv.oh;
+  job->pairs = 2 * cv.ow <= job->max_pix;
+  job->per_row = job->pairs ? 1 : CeilDiv(cv.ow, job->max_pix);
+  job->tiles = job->pairs ? CeilDiv(rows, 2) : rows * job->per_row;
+  const double rows_per_tile = job->pairs ? 2.0 : 1.0 / static_cast<double>(job->per_row);
+  const double row_bytes = static_cast<double>(cv.wp * cv.c * sizeof(float));
+  const double eff_h = static_cast<double>((cv.r - 1) * cv.dh + 1);
+  const double budget = static_cast<double>(L2Bytes()) / 2;
+  int64_t tb = 1;
+  while (tb < job->tiles && ((tb * 2) * rows_per_tile * cv.sh + eff_h) * row_bytes <= budget) {
+    tb *= 2;
+  }
+  tb = std::min(tb, job->tiles);
+  const int64_t threads = NumThreads();
+  const int64_t flops = 2 * rows * cv.ow * cv.k * cv.cg * cv.taps();
+  // At least ~2 MFLOP per task, so that tiny layers do not pay for waking threads.
+  const int64_t wanted = std::max<int64_t>(
+      1, std::min<int64_t>(threads > 1 ? 4 * threads : 1, flops / (2 << 20)));
+  int64_t split = 1;
+  auto count = [&] { return CeilDiv(job->tiles, tb) * cv.groups * split; };
+  while (count() < wanted && split < job->kblocks) split = std::min(job->kblocks, split * 2);
+  while (count() < wanted && tb > 1) tb = CeilDiv(tb, 2);
+  job->tile_block = tb;
+  job->kb_split = split;
+  job->tasks = count();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Depthwise (one input and one output channel per group): vectorized across channels.
+
+constexpr int kDwLanes = 16;
+constexpr int kDwPix = 8;
+typedef float DwVec __attribute__((vector_size(kDwLanes * sizeof(float))));
+
+JF_MULTIVERSION void DepthwiseRow(const Conv& cv, const InputView& in, const float* wdw,
+                                  int64_t kpad, const Epilogue& ep, int64_t b, int64_t oy) {
+  alignas(64) float vals[kDwPix * kDwLanes];
+  alignas(64) float transposed[kDwLanes * kDwPix];
+  const int64_t plane = cv.oh * cv.ow;
+  for (int64_t k0 = 0; k0 < cv.k; k0 += kDwLanes) {
+    const int64_t nch = std::min<int64_t>(kDwLanes, cv.k - k0);
+    for (int64_t ox0 = 0; ox0 < cv.ow; ox0 += kDwPix) {
+      const int m = static_cast<int>(std::min<int64_t>(kDwPix, cv.ow - ox0));
+      for (int p = 0; p < m; ++p) {
+        const float* xb = in.data + b * in.image + oy * cv.sh * in.row + (ox0 + p) * cv.sw * cv.c;
+        DwVec acc = DwVec{};
+        for (int64_t y = 0; y < cv.r; ++y)
+          for (int64_t x = 0; x < cv.s; ++x)
+            acc += LoadVec<DwVec>(xb + y * cv.dh * in.row + x * cv.dw * cv.c + k0) *
+                   LoadVec<DwVec>(wdw + (y * cv.s + x) * kpad + k0);
+        std::memcpy(vals + p * kDwLanes, &acc, sizeof(acc));
+      }
+      const int64_t pix = oy * cv.ow + ox0;
+      if (!cv.nchw) {
+        ep.Apply({vals, m, nch, kDwLanes, (b * plane + pix) * cv.k + k0, cv.k, k0, false,
+                  pix * cv.k + k0, cv.k});
+        continue;
+      }
+      for (int64_t j = 0; j < nch; ++j)
+        for (int p = 0; p < m; ++p) transposed[j * kDwPix + p] = vals[p * kDwLanes + j];
+      ep.Apply({transposed, nch, m, kDwPix, (b * cv.k + k0) * plane + pix, plane, k0, true,
+                k0 * plane + pix, plane});
+    }
+  }
+}
+
+void RunDepthwise(const PlanSpec& spec, const Conv& cv, const FusedParams& buf,
+                  const Epilogue& ep) {
+  // Vector loads may read up to a vector past the last channel of the last pixel.
+  Scratch xp, wdw;
+  const InputView in = PrepareInput(spec, cv, buf.x, kDwLanes, &xp);
+  const int64_t kpad = CeilDiv(cv.k, kDwLanes) * kDwLanes;
+  wdw = Allocate(cv.taps() * kpad);
+  std::memset(wdw.get(), 0, cv.taps() * kpad * sizeof(float));
+  for (int64_t ko = 0; ko < cv.k; ++ko)
+    for (int64_t y = 0; y < cv.r; ++y)
+      for (int64_t x = 0; x < cv.s; ++x) {
+        int64_t index = 0;
+        switch (spec.conv.filter_layout) {
+          case FilterLayout::kOIHW: index = (ko * cv.r + y) * cv.s + x; break;
+          case FilterLayout::kHWIO: index = (y * cv.s + x) * cv.k + ko; break;
+          case FilterLayout::kOHWI: index = (ko * cv.r + y) * cv.s + x; break;
+        }
+        wdw[(y * cv.s + x) * kpad + ko] = LoadAsFloat(buf.w, index, spec.dtype);
+      }
+  ParallelFor(cv.n * cv.oh, [&](int64_t t) {
+    DepthwiseRow(cv, in, wdw.get(), kpad, ep, t / cv.oh, t % cv.oh);
+  });
+}
+
+CpuLevel Level() {
+  static const CpuLevel level = DetectCpuLevel();
+  return level;
+}
+
+}  // namespace
+
+CpuLevel DetectCpuLevel() {
+  CpuLevel best = CpuLevel::kPortable;
+#ifdef JF_HAVE_X86_LEVELS
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("bmi2")) {
+    best = CpuLevel::kAvx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+      best = CpuLevel::kAvx512;
+    }
+  }
+#endif
+  if (const char* cap = std::getenv("JAXFUSE_CPU_ISA")) {
+    CpuLevel limit = best;
+    if (std::strcmp(cap, "portable") == 0) limit = CpuLevel::kPortable;
+    if (std::strcmp(cap, "avx2") == 0) limit = CpuLevel::kAvx2;
+    best = std::min(best, limit);
+  }
+  return best;
+}
+
+void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue& ep) {
+  const Conv cv(spec);
+  if (cv.cg == 1 && cv.kg == 1) {
+    RunDepthwise(spec, cv, buf, ep);
+    return;
+  }
+  const CpuLevel level = Level();
+  const int lanes = level == CpuLevel::kAvx512 ? 16 : level == CpuLevel::kAvx2 ? 8 : 4;
+  Job job;
+  job.cv = &cv;
+  job.ep = &ep;
+  job.max_pix = level == CpuLevel::kAvx512 ? Avx512::kMaxPix
+                : level == CpuLevel::kAvx2 ? Avx2::kMaxPix
+                                           : Portable::kMaxPix;
+  // Two vectors of channels per pixel, one when a group has no more channels than a vector.
+  job.nb = cv.kg <= lanes ? lanes : 2 * lanes;
+  job.kblocks = CeilDiv(cv.kg, job.nb);
+  Scratch xp, wp;
+  job.in = PrepareInput(spec, cv, buf.x, 0, &xp);
+  job.wt = PrepareFilter(spec, cv, buf.w, job.nb, &wp);
+  // With one group and no horizontal dilation, a filter row's taps and channels are one
+  // contiguous run in both the input and the weights: one long reduction per filter row.
+  if (cv.groups == 1 && cv.dw == 1) {
+    job.inner = cv.s * cv.c;
+    for (int64_t y = 0; y < cv.r; ++y) {
+      job.tap_x.push_back(y * cv.dh * job.in.row);
+      job.tap_w.push_back(y * cv.s * cv.cg * job.wt.ci_stride);
+    }
+  } else {
+    job.inner = cv.cg;
+    for (int64_t y = 0; y < cv.r; ++y)
+      for (int64_t x = 0; x < cv.s; ++x) {
+        job.tap_x.push_back(y * cv.dh * job.in.row + x * cv.dw * cv.c);
+        job.tap_w.push_back((y * cv.s + x) * cv.cg * job.wt.ci_stride);
+      }
+  }
+  PlanTasks(&job);
+  void (*run)(const Job&, int64_t) = RunTaskPortable;
+#ifdef JF_HAVE_X86_LEVELS
+  if (level == CpuLevel::kAvx512) run = RunTaskAvx512;
+  if (level == CpuLevel::kAvx2) run = RunTaskAvx2;
+#endif
+  ParallelFor(job.tasks, [&](int64_t task) { run(job, task); });
+}
+
+}  // namespace jaxfuse::cpu
