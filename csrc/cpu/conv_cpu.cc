@@ -42,6 +42,9 @@ Scratch Allocate(int64_t floats) {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Filters read in place are copied per task above this size (about half of a small L2).
+constexpr int64_t kCopyFilterBytes = 512 << 10;
+
 // Bytes of L2 cache per core (what one task's working set should fit in).
 int64_t L2Bytes() {
   static const int64_t bytes = [] {
@@ -78,6 +81,25 @@ struct InputView {
   int64_t image, row;
 };
 
+// out[x * channels + ch] = convert(src[ch * plane + x]) for x < count, every channel.
+template <class T, class Convert>
+JF_ALWAYS_INLINE void TransposeChannels(const T* src, int64_t plane, int64_t channels,
+                                        int64_t count, float* out, Convert convert) {
+  constexpr int64_t kGroup = 16;
+  for (int64_t c0 = 0; c0 < channels; c0 += kGroup) {
+    const int64_t nc = std::min(kGroup, channels - c0);
+    const T* s = src + c0 * plane;
+    float* o = out + c0;
+    if (nc == kGroup) {
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t c = 0; c < kGroup; ++c) o[i * channels + c] = convert(s[c * plane + i]);
+    } else {
+      for (int64_t i = 0; i < count; ++i)
+        for (int64_t c = 0; c < nc; ++c) o[i * channels + c] = convert(s[c * plane + i]);
+    }
+  }
+}
+
 // One padded row of the copy: zeros outside the input, the input (converted) inside.
 JF_MULTIVERSION void PackInputRow(const PlanSpec& spec, const Conv& cv, const void* x,
                                   int64_t b, int64_t y, float* dst) {
@@ -95,16 +117,23 @@ JF_MULTIVERSION void PackInputRow(const PlanSpec& spec, const Conv& cv, const vo
     LoadRow(x, ((b * cv.h + ih) * cv.w + iw0) * cv.c, spec.dtype, count * cv.c, out);
     return;
   }
-  // NCHW: transpose through a small buffer, a few channels at a time.
-  constexpr int64_t kChunk = 256;
-  alignas(64) float tmp[kChunk];
-  for (int64_t ch = 0; ch < cv.c; ++ch) {
-    for (int64_t done = 0; done < count; done += kChunk) {
-      const int64_t len = std::min(kChunk, count - done);
-      LoadRow(x, ((b * cv.c + ch) * cv.h + ih) * cv.w + iw0 + done, spec.dtype, len, tmp);
-      float* o = out + done * cv.c + ch;
-      for (int64_t i = 0; i < len; ++i) o[i * cv.c] = tmp[i];
-    }
+  // NCHW: sixteen channels at a time, so that each pixel's run of channels is written whole
+  // while the sixteen channel rows are read as sequential streams.
+  const int64_t plane = cv.h * cv.w;
+  const int64_t first = b * cv.c * plane + ih * cv.w + iw0;
+  switch (spec.dtype) {
+    case DType::kF32:
+      TransposeChannels(static_cast<const float*>(x) + first, plane, cv.c, count, out,
+                        [](float v) { return v; });
+      break;
+    case DType::kF16:
+      TransposeChannels(static_cast<const uint16_t*>(x) + first, plane, cv.c, count, out,
+                        [](uint16_t v) { return HalfToFloatSelect(v); });
+      break;
+    case DType::kBF16:
+      TransposeChannels(static_cast<const uint16_t*>(x) + first, plane, cv.c, count, out,
+                        [](uint16_t v) { return Bf16ToFloat(v); });
+      break;
   }
 }
 
@@ -135,6 +164,8 @@ struct FilterView {
   int64_t group, block, ci_stride;
 };
 
+constexpr int64_t kMaxBlockChannels = 32;  // the widest channel block (2 AVX-512 vectors)
+
 // One channel block, packed as [tap][ci][nb], zero past the group's last channel.
 JF_MULTIVERSION void PackFilterBlock(const PlanSpec& spec, const Conv& cv, const void* w,
                                      int64_t nb, int64_t kblocks, int64_t blk, float* dst) {
@@ -150,21 +181,26 @@ JF_MULTIVERSION void PackFilterBlock(const PlanSpec& spec, const Conv& cv, const
     }
     return;
   }
-  // OIHW / OHWI: one output channel's weights are contiguous; scatter them into column j.
-  std::vector<float> tmp(rows);
-  for (int64_t j = 0; j < nb; ++j) {
-    if (j >= valid) {
-      for (int64_t i = 0; i < rows; ++i) dst[i * nb + j] = 0.0f;
-      continue;
+  // OIHW / OHWI: one output channel's weights are contiguous. Transpose them in chunks: nb
+  // sequential source streams in, whole destination rows out.
+  constexpr int64_t kChunk = 64;
+  alignas(64) float tmp[kMaxBlockChannels * kChunk];
+  const int64_t taps = cv.taps();
+  for (int64_t i0 = 0; i0 < rows; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, rows - i0);
+    for (int64_t j = 0; j < nb; ++j) {
+      float* t = tmp + j * kChunk;
+      if (j < valid) {
+        LoadRow(w, (gi * cv.kg + kb * nb + j) * rows + i0, spec.dtype, len, t);
+      } else {
+        std::memset(t, 0, len * sizeof(float));
+      }
     }
-    const int64_t ko = gi * cv.kg + kb * nb + j;
-    LoadRow(w, ko * rows, spec.dtype, rows, tmp.data());
-    if (layout == FilterLayout::kOHWI) {  // already (tap, ci)
-      for (int64_t i = 0; i < rows; ++i) dst[i * nb + j] = tmp[i];
-    } else {  // OIHW: (ci, tap)
-      const int64_t taps = cv.taps();
-      for (int64_t ci = 0; ci < cv.cg; ++ci)
-        for (int64_t t = 0; t < taps; ++t) dst[(t * cv.cg + ci) * nb + j] = tmp[ci * taps + t];
+    for (int64_t ii = 0; ii < len; ++ii) {
+      const int64_t i = i0 + ii;  // OIHW: (ci, tap); OHWI: (tap, ci)
+      const int64_t row = layout == FilterLayout::kOHWI ? i : (i % taps) * cv.cg + i / taps;
+      float* d = dst + row * nb;
+      for (int64_t j = 0; j < nb; ++j) d[j] = tmp[j * kChunk + ii];
     }
   }
 }
@@ -203,7 +239,6 @@ struct Config {
 using Avx512 = Config<Vec16, 14>;  // 28 accumulators of 32 zmm
 using Avx2 = Config<Vec8, 6>;      // 12 of 16 ymm
 using Portable = Config<Vec4, 6>;  // 12 of 16 xmm (32 NEON registers on Arm)
-constexpr int kMaxTilePix = 16;    // bound on every config's kMaxPix (transposed tile width)
 
 // What a tile reads: the input at the first tap for its first pixel in each of its two
 // segments (a segment is a run of pixels along one output row), and a channel block's filters.
@@ -261,6 +296,22 @@ JF_ALWAYS_INLINE void TileKernel(const TileArgs& a, float* out) {
     for (int v = 0; v < NV; ++v) std::memcpy(out + (p * NV + v) * kLanes, &acc[p][v], sizeof(V));
 }
 
+// A per-thread buffer that grows to the largest size asked for (kept between calls).
+float* ThreadScratch(int64_t floats) {
+  thread_local Scratch buffer;
+  thread_local int64_t capacity = 0;
+  if (floats > capacity) {
+    buffer = Allocate(floats);
+    capacity = floats;
+  }
+  return buffer.get();
+}
+
+// Copies channel blocks [k0, k1) of group gi into dst as [block][row][nb], reading each
+// filter row's blocks as one contiguous run.
+struct Job;
+void CopyFilterBlocks(const Job& job, int64_t gi, int64_t k0, int64_t k1, float* dst);
+
 // Calls TileKernel for a one-segment tile of m pixels, or a two-segment tile of m + m.
 template <class Cfg, int NV, int... M>
 JF_ALWAYS_INLINE void TileSingle(int m, const TileArgs& a, float* out,
@@ -289,11 +340,21 @@ struct Job {
   FilterView wt;
   std::vector<int64_t> tap_x, tap_w;
   int64_t inner;
+  // Filters read in place but too large for L2 are first copied, per task, into a contiguous
+  // buffer: the in-place rows are a whole filter row apart, a pattern that reaches DRAM at a
+  // fraction of its bandwidth while the tiles run, but streams well in a plain copy loop.
+  bool copy_filters;
+  int64_t filter_rows;          // (tap, ci) rows of one channel block
+  std::vector<int64_t> tap_w_copy;  // tap_w for the copy's layout
   int64_t nb, kblocks;
   int max_pix;
   bool pairs;         // a tile is two whole output rows
   int64_t per_row;    // tiles per output row (when not pairs)
   int64_t tiles, tile_block, kb_split, tasks;
+  // Each tile runs every channel block before the next tile (NHWC output rows are written
+  // whole, the tile's input stays in L1) when the task's filters fit in L2; else each
+  // channel block runs every tile (its filters stay in L1/L2).
+  bool tiles_outer;
 
   // The tile's segments; the second has m == 0 when the tile has one.
   void Segments(int64_t t, Segment* s0, Segment* s1) const {
@@ -314,30 +375,60 @@ struct Job {
     return in.data + b * in.image + oy * cv->sh * in.row + s.x0 * cv->sw * cv->c + gi * cv->cg;
   }
 
-  // Epilogue and store for one segment's results, tile[p * nb + j] for channel ch0 + j.
-  void Store(float* tile, const Segment& s, int64_t ch0, int64_t nch, float* transposed) const {
+  // NHWC: epilogue and store for one segment's results, tile[p * nb + j] for channel ch0 + j.
+  void StoreNhwc(float* tile, const Segment& s, int64_t ch0, int64_t nch) const {
     const int64_t b = s.row / cv->oh, oy = s.row % cv->oh, plane = cv->oh * cv->ow;
-    if (!cv->nchw) {
-      const int64_t pix = oy * cv->ow + s.x0;
-      ep->Apply({tile, s.m, nch, nb, (b * plane + pix) * cv->k + ch0, cv->k, ch0, false,
-                 pix * cv->k + ch0, cv->k});
-      return;
+    const int64_t pix = oy * cv->ow + s.x0;
+    ep->Apply({tile, s.m, nch, nb, (b * plane + pix) * cv->k + ch0, cv->k, ch0, false,
+               pix * cv->k + ch0, cv->k});
+  }
+};
+
+// NCHW: gathers one channel block's results for consecutive pixels of an output row,
+// transposed to a row per channel, so the epilogue runs along many pixels at once.
+class NchwRows {
+ public:
+  static constexpr int kCap = 64;  // pixels per row of the buffer
+
+  NchwRows(const Job& job, float* buffer) : job_(job), buf_(buffer) {}
+
+  void Add(const float* tile, int64_t ld, const Segment& s, int64_t ch0, int64_t nch) {
+    if (m_ > 0 && (s.row != row_ || s.x0 != x0_ + m_ || m_ + s.m > kCap || ch0 != ch0_)) Flush();
+    if (m_ == 0) {
+      row_ = s.row;
+      x0_ = s.x0;
+      ch0_ = ch0;
+      nch_ = nch;
     }
     for (int64_t j = 0; j < nch; ++j)
-      for (int p = 0; p < s.m; ++p) transposed[j * kMaxTilePix + p] = tile[p * nb + j];
-    const int64_t pix = oy * cv->ow + s.x0;
-    ep->Apply({transposed, nch, s.m, kMaxTilePix, (b * cv->k + ch0) * plane + pix, plane, ch0,
-               true, ch0 * plane + pix, plane});
+      for (int p = 0; p < s.m; ++p) buf_[j * kCap + m_ + p] = tile[p * ld + j];
+    m_ += s.m;
   }
+
+  void Flush() {
+    if (m_ == 0) return;
+    const Conv& cv = *job_.cv;
+    const int64_t b = row_ / cv.oh, oy = row_ % cv.oh, plane = cv.oh * cv.ow;
+    const int64_t pix = oy * cv.ow + x0_;
+    job_.ep->Apply({buf_, nch_, m_, kCap, (b * cv.k + ch0_) * plane + pix, plane, ch0_, true,
+                    ch0_ * plane + pix, plane});
+    m_ = 0;
+  }
+
+ private:
+  const Job& job_;
+  float* buf_;
+  int64_t row_ = 0, x0_ = 0, ch0_ = 0, nch_ = 0;
+  int m_ = 0;
 };
 
 template <class Cfg, int NV>
 JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
   constexpr int kNb = NV * Cfg::kLanes;
   constexpr int kMax = Cfg::kMaxPix;
-  static_assert(kMax <= kMaxTilePix, "tile wider than the transpose buffer");
   alignas(64) float tile[kMax * kNb];
-  alignas(64) float transposed[kNb * kMaxTilePix];
+  alignas(64) float rows_buffer[kNb * NchwRows::kCap];
+  NchwRows nchw(job, rows_buffer);
   const Conv& cv = *job.cv;
   const int64_t per_tb = cv.groups * job.kb_split;
   const int64_t tb = task / per_tb, gi = (task % per_tb) / job.kb_split;
@@ -352,21 +443,52 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
   a.tap_w = job.tap_w.data();
   a.taps = static_cast<int64_t>(job.tap_x.size());
   a.inner = job.inner;
-  for (int64_t kb = k0; kb < k1; ++kb) {
-    a.w = job.wt.data + gi * job.wt.group + kb * job.wt.block;
+  const float* copy = nullptr;
+  if (job.copy_filters) {
+    float* dst = ThreadScratch((k1 - k0) * job.filter_rows * kNb);
+    CopyFilterBlocks(job, gi, k0, k1, dst);
+    copy = dst;
+    a.w_row = kNb;
+    a.tap_w = job.tap_w_copy.data();
+  }
+  auto run_tile = [&](int64_t kb, int64_t t) __attribute__((always_inline)) {
+    a.w = copy ? copy + (kb - k0) * job.filter_rows * kNb
+               : job.wt.data + gi * job.wt.group + kb * job.wt.block;
     const int64_t ch0 = gi * cv.kg + kb * kNb, nch = std::min<int64_t>(kNb, cv.kg - kb * kNb);
-    for (int64_t t = t0; t < t1; ++t) {
-      Segment s0, s1;
-      job.Segments(t, &s0, &s1);
-      a.x0 = job.SegmentInput(s0, gi);
-      a.x1 = s1.m ? job.SegmentInput(s1, gi) : a.x0;
-      if (s1.m == 0) {
-        TileSingle<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax>());
-      } else {
-        TilePair<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax / 2>());
-      }
-      job.Store(tile, s0, ch0, nch, transposed);
-      if (s1.m) job.Store(tile + s0.m * kNb, s1, ch0, nch, transposed);
+    Segment s0, s1;
+    job.Segments(t, &s0, &s1);
+    a.x0 = job.SegmentInput(s0, gi);
+    a.x1 = s1.m ? job.SegmentInput(s1, gi) : a.x0;
+    if (s1.m == 0) {
+      TileSingle<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax>());
+    } else {
+      TilePair<Cfg, NV>(s0.m, a, tile, std::make_integer_sequence<int, kMax / 2>());
+    }
+    if (cv.nchw) {
+      nchw.Add(tile, kNb, s0, ch0, nch);
+      if (s1.m) nchw.Add(tile + s0.m * kNb, kNb, s1, ch0, nch);
+    } else {
+      job.StoreNhwc(tile, s0, ch0, nch);
+      if (s1.m) job.StoreNhwc(tile + s0.m * kNb, s1, ch0, nch);
+    }
+  };
+  if (job.tiles_outer) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t kb = k0; kb < k1; ++kb) run_tile(kb, t);
+  } else {
+    for (int64_t kb = k0; kb < k1; ++kb)
+      for (int64_t t = t0; t < t1; ++t) run_tile(kb, t);
+  }
+  nchw.Flush();
+}
+
+void CopyFilterBlocks(const Job& job, int64_t gi, int64_t k0, int64_t k1, float* dst) {
+  const int64_t rows = job.filter_rows, nb = job.nb;
+  const float* src = job.wt.data + gi * job.wt.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t kb = k0; kb < k1; ++kb) {
+      std::memcpy(dst + ((kb - k0) * rows + r) * nb, src + kb * job.wt.block + r * job.wt.ci_stride,
+                  nb * sizeof(float));
     }
   }
 }
@@ -418,6 +540,9 @@ void PlanTasks(Job* job) {
   job->tile_block = tb;
   job->kb_split = split;
   job->tasks = count();
+  const int64_t task_filter_bytes =
+      CeilDiv(job->kblocks, split) * job->filter_rows * job->nb * static_cast<int64_t>(sizeof(float));
+  job->tiles_outer = !cv.nchw && task_filter_bytes <= L2Bytes() / 2;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -534,19 +659,28 @@ void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue
   job.wt = PrepareFilter(spec, cv, buf.w, job.nb, &wp);
   // With one group and no horizontal dilation, a filter row's taps and channels are one
   // contiguous run in both the input and the weights: one long reduction per filter row.
+  job.filter_rows = cv.taps() * cv.cg;
+  job.copy_filters = job.wt.ci_stride != job.nb &&
+                     cv.k * job.filter_rows * static_cast<int64_t>(sizeof(float)) > kCopyFilterBytes;
+  // Taps as (input offset, first filter row); rows are ci_stride apart in place, nb in a copy.
+  std::vector<int64_t> tap_rows;
   if (cv.groups == 1 && cv.dw == 1) {
     job.inner = cv.s * cv.c;
     for (int64_t y = 0; y < cv.r; ++y) {
       job.tap_x.push_back(y * cv.dh * job.in.row);
-      job.tap_w.push_back(y * cv.s * cv.cg * job.wt.ci_stride);
+      tap_rows.push_back(y * cv.s * cv.cg);
     }
   } else {
     job.inner = cv.cg;
     for (int64_t y = 0; y < cv.r; ++y)
       for (int64_t x = 0; x < cv.s; ++x) {
         job.tap_x.push_back(y * cv.dh * job.in.row + x * cv.dw * cv.c);
-        job.tap_w.push_back((y * cv.s + x) * cv.cg * job.wt.ci_stride);
+        tap_rows.push_back((y * cv.s + x) * cv.cg);
       }
+  }
+  for (int64_t row : tap_rows) {
+    job.tap_w.push_back(row * job.wt.ci_stride);
+    job.tap_w_copy.push_back(row * job.nb);
   }
   PlanTasks(&job);
   void (*run)(const Job&, int64_t) = RunTaskPortable;
