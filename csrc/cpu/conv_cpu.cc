@@ -158,10 +158,14 @@ InputView PrepareInput(const PlanSpec& spec, const Conv& cv, const void* x, int6
 
 // ---------------------------------------------------------------------------------------------
 // Filters: for group g, channel block kb (nb output channels), tap t = y * s + x and input
-// channel ci, the nb weights at data + g * group + kb * block + (t * cg + ci) * ci_stride.
+// channel ci, the nb weights at element g * group + kb * block + (t * cg + ci) * ci_stride of
+// data: a packed float32 copy, or the caller's HWIO buffer itself (in its dtype).
 struct FilterView {
-  const float* data;
+  const void* data;
+  DType dtype;
   int64_t group, block, ci_stride;
+  bool in_place;
+  const float* floats() const { return static_cast<const float*>(data); }
 };
 
 constexpr int64_t kMaxBlockChannels = 32;  // the widest channel block (2 AVX-512 vectors)
@@ -205,11 +209,12 @@ JF_MULTIVERSION void PackFilterBlock(const PlanSpec& spec, const Conv& cv, const
   }
 }
 
+// HWIO filters whose groups fill whole channel blocks are read in place (float16 / bfloat16
+// ones through the per-task copy, which converts); others are packed here.
 FilterView PrepareFilter(const PlanSpec& spec, const Conv& cv, const void* w, int64_t nb,
                          Scratch* holder) {
-  if (spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO &&
-      cv.kg % nb == 0) {
-    return {static_cast<const float*>(w), cv.kg, nb, cv.k};
+  if (spec.conv.filter_layout == FilterLayout::kHWIO && cv.kg % nb == 0) {
+    return {w, spec.dtype, cv.kg, nb, cv.k, true};
   }
   const int64_t kblocks = CeilDiv(cv.kg, nb);
   const int64_t block = cv.taps() * cv.cg * nb;
@@ -218,7 +223,7 @@ FilterView PrepareFilter(const PlanSpec& spec, const Conv& cv, const void* w, in
   ParallelFor(cv.groups * kblocks, [&](int64_t blk) {
     PackFilterBlock(spec, cv, w, nb, kblocks, blk, wp + blk * block);
   });
-  return {wp, kblocks * block, block, nb};
+  return {wp, DType::kF32, kblocks * block, block, nb, false};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -453,7 +458,7 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
   }
   auto run_tile = [&](int64_t kb, int64_t t) __attribute__((always_inline)) {
     a.w = copy ? copy + (kb - k0) * job.filter_rows * kNb
-               : job.wt.data + gi * job.wt.group + kb * job.wt.block;
+               : job.wt.floats() + gi * job.wt.group + kb * job.wt.block;
     const int64_t ch0 = gi * cv.kg + kb * kNb, nch = std::min<int64_t>(kNb, cv.kg - kb * kNb);
     Segment s0, s1;
     job.Segments(t, &s0, &s1);
@@ -484,11 +489,11 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
 
 void CopyFilterBlocks(const Job& job, int64_t gi, int64_t k0, int64_t k1, float* dst) {
   const int64_t rows = job.filter_rows, nb = job.nb;
-  const float* src = job.wt.data + gi * job.wt.group;
+  const int64_t first = gi * job.wt.group;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t kb = k0; kb < k1; ++kb) {
-      std::memcpy(dst + ((kb - k0) * rows + r) * nb, src + kb * job.wt.block + r * job.wt.ci_stride,
-                  nb * sizeof(float));
+      LoadRow(job.wt.data, first + kb * job.wt.block + r * job.wt.ci_stride, job.wt.dtype, nb,
+              dst + ((kb - k0) * rows + r) * nb);
     }
   }
 }
@@ -660,8 +665,9 @@ void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue
   // With one group and no horizontal dilation, a filter row's taps and channels are one
   // contiguous run in both the input and the weights: one long reduction per filter row.
   job.filter_rows = cv.taps() * cv.cg;
-  job.copy_filters = job.wt.ci_stride != job.nb &&
-                     cv.k * job.filter_rows * static_cast<int64_t>(sizeof(float)) > kCopyFilterBytes;
+  job.copy_filters = job.wt.in_place &&
+                     (job.wt.dtype != DType::kF32 ||
+                      cv.k * job.filter_rows * static_cast<int64_t>(sizeof(float)) > kCopyFilterBytes);
   // Taps as (input offset, first filter row); rows are ci_stride apart in place, nb in a copy.
   std::vector<int64_t> tap_rows;
   if (cv.groups == 1 && cv.dw == 1) {

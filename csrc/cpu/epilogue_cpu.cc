@@ -1,5 +1,7 @@
 #include "cpu/epilogue_cpu.h"
 
+#include <algorithm>
+
 #include "cpu/convert.h"
 #include "cpu/multiversion.h"
 #include "kernels/epilogue.h"
@@ -128,23 +130,68 @@ JF_ALWAYS_INLINE void StoreElement(void* base, int64_t i, float v) {
   if constexpr (D == DType::kBF16) static_cast<uint16_t*>(base)[i] = FloatToBf16Select(v);
 }
 
+template <DType D, bool kFromInput, bool kSide, int kAct, bool kChannelPerRow>
+JF_ALWAYS_INLINE void FastRow(const float* __restrict v, int64_t at, int64_t cols,
+                              const float* __restrict scale, const float* __restrict shift,
+                              const FastArgs& f) {
+  const void* __restrict input = f.input;
+  const void* __restrict side = f.side;
+  void* __restrict y = f.y;
+  const float s0 = scale[0], t0 = shift[0];
+  for (int64_t c = 0; c < cols; ++c) {
+    float x = kFromInput ? LoadElement<D>(input, at + c) : v[c];
+    x = kChannelPerRow ? x * s0 + t0 : x * scale[c] + shift[c];
+    if (kSide) x += f.side_alpha * LoadElement<D>(side, at + c);
+    StoreElement<D>(y, at + c, activate<kAct>(x, f.alpha, f.beta, f.gamma));
+  }
+}
+
+// The same for float16, through float32 chunks (converted with F16C where there is).
+template <bool kFromInput, bool kSide, int kAct, bool kChannelPerRow>
+JF_ALWAYS_INLINE void FastRowHalf(const float* __restrict v, int64_t at, int64_t cols,
+                                  const float* __restrict scale, const float* __restrict shift,
+                                  const FastArgs& f) {
+  constexpr int64_t kChunk = 64;
+  alignas(64) float in[kChunk], side[kChunk], out[kChunk];
+  const float s0 = scale[0], t0 = shift[0];
+  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, cols - c0);
+    const float* x = v + c0;
+    if (kFromInput) {
+      HalfRowToFloat(static_cast<const uint16_t*>(f.input) + at + c0, len, in);
+      x = in;
+    }
+    if (kSide) HalfRowToFloat(static_cast<const uint16_t*>(f.side) + at + c0, len, side);
+    for (int64_t c = 0; c < len; ++c) {
+      float u = kChannelPerRow ? x[c] * s0 + t0 : x[c] * scale[c0 + c] + shift[c0 + c];
+      if (kSide) u += f.side_alpha * side[c];
+      out[c] = activate<kAct>(u, f.alpha, f.beta, f.gamma);
+    }
+    FloatRowToHalf(out, len, static_cast<uint16_t*>(f.y) + at + c0);
+  }
+}
+
+template <DType D, bool kFromInput, bool kSide, int kAct, bool kChannelPerRow>
+JF_ALWAYS_INLINE void FastRowAny(const float* v, int64_t at, int64_t cols, const float* scale,
+                                 const float* shift, const FastArgs& f) {
+  if constexpr (D == DType::kF16) {
+    FastRowHalf<kFromInput, kSide, kAct, kChannelPerRow>(v, at, cols, scale, shift, f);
+  } else {
+    FastRow<D, kFromInput, kSide, kAct, kChannelPerRow>(v, at, cols, scale, shift, f);
+  }
+}
+
 template <DType D, bool kFromInput, bool kSide, int kAct>
 JF_ALWAYS_INLINE void FastRows(const Block& b, const FastArgs& f) {
   for (int64_t r = 0; r < b.rows; ++r) {
     const int64_t at = b.offset + r * b.out_row;
-    const float* __restrict v = b.values + r * b.ld;
-    auto value = [&](int64_t c) { return kFromInput ? LoadElement<D>(f.input, at + c) : v[c]; };
-    auto finish = [&](int64_t c, float x) {
-      if (kSide) x += f.side_alpha * LoadElement<D>(f.side, at + c);
-      StoreElement<D>(f.y, at + c, activate<kAct>(x, f.alpha, f.beta, f.gamma));
-    };
+    const float* v = b.values + r * b.ld;
     if (b.channel_per_row) {
-      const float s = f.scale[b.channel + r], t = f.shift[b.channel + r];
-      for (int64_t c = 0; c < b.cols; ++c) finish(c, value(c) * s + t);
+      FastRowAny<D, kFromInput, kSide, kAct, true>(v, at, b.cols, f.scale + b.channel + r,
+                                                   f.shift + b.channel + r, f);
     } else {
-      const float* __restrict s = f.scale + b.channel;
-      const float* __restrict t = f.shift + b.channel;
-      for (int64_t c = 0; c < b.cols; ++c) finish(c, value(c) * s[c] + t[c]);
+      FastRowAny<D, kFromInput, kSide, kAct, false>(v, at, b.cols, f.scale + b.channel,
+                                                    f.shift + b.channel, f);
     }
   }
 }
