@@ -77,6 +77,14 @@ def test_conv_paths(case: Case) -> None:
     run_case(case, jax.devices("cpu")[0])
 
 
+@pytest.mark.parametrize("activation", ["passthru", "relu", "clipped_relu", "leaky_relu"])
+@pytest.mark.parametrize("ops", ["CBA", "CNSA"])
+def test_single_pass_tile_store(ops: str, activation: str) -> None:
+    # NHWC float32 full channel blocks go from registers to the output in one pass.
+    run_case(Case(ops=ops, activation=activation, c=8, k=64, h=5, w=9, **NHWC),
+             jax.devices("cpu")[0])
+
+
 @pytest.mark.parametrize("case", POINTWISE_CASES, ids=str)
 def test_pointwise_paths(case: Case) -> None:
     run_case(case, jax.devices("cpu")[0])

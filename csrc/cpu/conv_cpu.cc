@@ -23,6 +23,7 @@
 #include "cpu/convert.h"
 #include "cpu/multiversion.h"
 #include "cpu/thread_pool.h"
+#include "kernels/epilogue.h"
 
 namespace jaxfuse::cpu {
 namespace {
@@ -341,6 +342,11 @@ struct Segment {
 struct Job {
   const Conv* cv;
   const Epilogue* ep;
+  // NHWC float32 with a single-pass chain: full channel blocks go from the tile to the output
+  // in one pass over registers (StoreTileSinglePass), else through Epilogue::Apply.
+  const SinglePass* single;
+  float* y;
+  const float* side;
   InputView in;
   FilterView wt;
   std::vector<int64_t> tap_x, tap_w;
@@ -427,6 +433,74 @@ class NchwRows {
   int m_ = 0;
 };
 
+template <class V>
+using MaskOf = decltype(V{} > V{});
+
+// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h).
+template <int Mode, class V>
+JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
+  using M = MaskOf<V>;
+  const V zero = V{};
+  if constexpr (Mode == kRelu || Mode == kClippedRelu) {
+    const V r = (V)((M)x & (x > zero));
+    if constexpr (Mode == kRelu) return r;
+    const M below = r < alpha;
+    return (V)(((M)r & below) | ((M)alpha & ~below));
+  } else if constexpr (Mode == kLeakyRelu) {
+    const M positive = x > zero;
+    return (V)(((M)x & positive) | ((M)(alpha * x) & ~positive));
+  } else {
+    return x;
+  }
+}
+
+template <class V, int NV, int Mode, bool kSide>
+JF_ALWAYS_INLINE void SinglePassPixels(const float* tile, int m, float* y, const float* z,
+                                       int64_t pixel, const V* scale, const V* shift,
+                                       float side_alpha, float alpha) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  const V a = V{} + alpha;
+  for (int p = 0; p < m; ++p) {
+    for (int v = 0; v < NV; ++v) {
+      V x = LoadVec<V>(tile + (p * NV + v) * kLanes) * scale[v] + shift[v];
+      if constexpr (kSide) x += side_alpha * LoadVec<V>(z + p * pixel + v * kLanes);
+      x = ActivateVec<Mode>(x, a);
+      std::memcpy(y + p * pixel + v * kLanes, &x, sizeof(V));
+    }
+  }
+}
+
+// A full channel block of one segment, NHWC float32, single-pass chain.
+template <class V, int NV>
+JF_ALWAYS_INLINE void StoreTileSinglePass(const Job& job, const float* tile, const Segment& s,
+                                          int64_t ch0) {
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  const SinglePass& f = *job.single;
+  const Conv& cv = *job.cv;
+  const int64_t at = (s.row * cv.ow + s.x0) * cv.k + ch0;
+  V scale[NV], shift[NV];
+  for (int v = 0; v < NV; ++v) {
+    scale[v] = LoadVec<V>(f.scale + ch0 + v * kLanes);
+    shift[v] = LoadVec<V>(f.shift + ch0 + v * kLanes);
+  }
+  float* y = job.y + at;
+  const float* z = f.side ? job.side + at : nullptr;
+  const float sa = f.side_alpha, a = f.alpha;
+#define JF_PIXELS(MODE, SIDE) \
+  return SinglePassPixels<V, NV, MODE, SIDE>(tile, s.m, y, z, cv.k, scale, shift, sa, a)
+  switch (f.activation + (f.side ? kNumActivationModes : 0)) {
+    case kRelu: JF_PIXELS(kRelu, false);
+    case kClippedRelu: JF_PIXELS(kClippedRelu, false);
+    case kLeakyRelu: JF_PIXELS(kLeakyRelu, false);
+    case kPassthru: JF_PIXELS(kPassthru, false);
+    case kNumActivationModes + kRelu: JF_PIXELS(kRelu, true);
+    case kNumActivationModes + kClippedRelu: JF_PIXELS(kClippedRelu, true);
+    case kNumActivationModes + kLeakyRelu: JF_PIXELS(kLeakyRelu, true);
+    default: JF_PIXELS(kPassthru, true);
+  }
+#undef JF_PIXELS
+}
+
 template <class Cfg, int NV>
 JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
   constexpr int kNb = NV * Cfg::kLanes;
@@ -472,6 +546,10 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
     if (cv.nchw) {
       nchw.Add(tile, kNb, s0, ch0, nch);
       if (s1.m) nchw.Add(tile + s0.m * kNb, kNb, s1, ch0, nch);
+    } else if (job.single && nch == kNb) {
+      using V = typename Cfg::Vec;
+      StoreTileSinglePass<V, NV>(job, tile, s0, ch0);
+      if (s1.m) StoreTileSinglePass<V, NV>(job, tile + s0.m * kNb, s1, ch0);
     } else {
       job.StoreNhwc(tile, s0, ch0, nch);
       if (s1.m) job.StoreNhwc(tile + s0.m * kNb, s1, ch0, nch);
@@ -653,6 +731,9 @@ void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue
   Job job;
   job.cv = &cv;
   job.ep = &ep;
+  job.single = !cv.nchw && spec.dtype == DType::kF32 ? ep.single_pass() : nullptr;
+  job.y = static_cast<float*>(buf.y);
+  job.side = static_cast<const float*>(buf.side);
   job.max_pix = level == CpuLevel::kAvx512 ? Avx512::kMaxPix
                 : level == CpuLevel::kAvx2 ? Avx2::kMaxPix
                                            : Portable::kMaxPix;

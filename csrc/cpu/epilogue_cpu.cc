@@ -310,42 +310,46 @@ Epilogue::Epilogue(const PlanSpec& spec, const FusedParams& buffers)
   // that order (each optional) and the activation is a cheap one.
   size_t i = 0;
   if (i < stages_.size() && stages_[i].kind == EpilogueStage::kAffine) {
-    fast_scale_ = stages_[i].scale;
-    fast_shift_ = stages_[i].shift;
+    single_.scale = stages_[i].scale;
+    single_.shift = stages_[i].shift;
     ++i;
   } else {  // the identity
     arrays_.emplace_back(channels, 1.0f);
-    fast_scale_ = arrays_.back().data();
+    single_.scale = arrays_.back().data();
     arrays_.emplace_back(channels, 0.0f);
-    fast_shift_ = arrays_.back().data();
+    single_.shift = arrays_.back().data();
   }
   if (i < stages_.size() && stages_[i].kind == EpilogueStage::kSideAdd) {
-    fast_side_ = true;
+    single_.side = true;
     ++i;
   }
-  fast_act_ = kPassthru;
+  single_.activation = kPassthru;
   if (i < stages_.size() && stages_[i].kind == EpilogueStage::kActivation &&
       IsFastActivation(spec.activation)) {
-    fast_act_ = spec.activation;
+    single_.activation = spec.activation;
     ++i;
   }
   fast_ = i == stages_.size();
+  single_.side_alpha = scalars_[0];
+  single_.alpha = scalars_[1];
+  single_.beta = scalars_[2];
+  single_.gamma = scalars_[3];
 }
 
 void Epilogue::Apply(const Block& block) const {
   if (fast_) {
-    const FastArgs f{fast_scale_, fast_shift_, nullptr, buffers_.side, buffers_.y,
+    const FastArgs f{single_.scale, single_.shift, nullptr, buffers_.side, buffers_.y,
                      scalars_[0], scalars_[1], scalars_[2], scalars_[3]};
-    FastApply(block, f, spec_.dtype, false, fast_side_, fast_act_);
+    FastApply(block, f, spec_.dtype, false, single_.side, single_.activation);
     return;
   }
   ApplyStages(block, stages_.data(), static_cast<int>(stages_.size()), spec_, buffers_, scalars_);
 }
 
 void Epilogue::ApplyToInput(const Block& block) const {
-  const FastArgs f{fast_scale_, fast_shift_, buffers_.x, buffers_.side, buffers_.y,
+  const FastArgs f{single_.scale, single_.shift, buffers_.x, buffers_.side, buffers_.y,
                    scalars_[0], scalars_[1], scalars_[2], scalars_[3]};
-  FastApply(block, f, spec_.dtype, true, fast_side_, fast_act_);
+  FastApply(block, f, spec_.dtype, true, single_.side, single_.activation);
 }
 
 }  // namespace jaxfuse::cpu

@@ -31,6 +31,17 @@ struct EpilogueStage {
   const float* shift;
 };
 
+// The common chains (a per-channel affine, a side add, a simple activation, each optional, in
+// that order) in the form a single pass applies: v * scale[c] + shift[c] (+ side_alpha * z),
+// then the activation (passthru, relu, clipped_relu or leaky_relu).
+struct SinglePass {
+  const float* scale;
+  const float* shift;
+  bool side;
+  int activation;
+  float side_alpha, alpha, beta, gamma;
+};
+
 class Epilogue {
  public:
   // Folds the convolution's alpha, bias and spatial batch norm into one scale and shift per
@@ -39,6 +50,9 @@ class Epilogue {
 
   // Applies the pointwise operators to the block (in place) and stores it into the output.
   void Apply(const Block& block) const;
+
+  // The chain as a single pass, or nullptr when it is not one of the common chains.
+  const SinglePass* single_pass() const { return fast_ ? &single_ : nullptr; }
 
   // Whether ApplyToInput can run this chain (one pass straight from the input to the output).
   bool reads_input() const { return fast_; }
@@ -51,13 +65,8 @@ class Epilogue {
   const FusedParams& buffers_;
   float scalars_[4];  // side alpha, activation alpha, beta, gamma
   std::vector<EpilogueStage> stages_;
-  // The common chains (an affine, a side add, a simple activation, each optional, in that
-  // order) also have a single-pass form: one loop per row from load to store.
   bool fast_ = false;
-  bool fast_side_ = false;
-  int fast_act_ = 0;
-  const float* fast_scale_ = nullptr;
-  const float* fast_shift_ = nullptr;
+  SinglePass single_{};
   std::vector<std::vector<float>> arrays_;  // storage behind the stages' scale and shift
 };
 
