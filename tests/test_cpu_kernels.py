@@ -121,6 +121,39 @@ def test_narrower_vector_widths(level: str) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_concurrent_calls() -> None:
+    # Several host threads run plans at once (as several XLA threads may): each gets the same
+    # result as it does alone. The conv copies its filters into per-thread scratch.
+    import threading
+
+    import numpy as np
+
+    cpu = jax.devices("cpu")[0]
+    cases = [Case(c=128, k=128, n=1, h=5, w=5, **NHWC), Case(c=16, k=64, h=4, w=29),
+             Case(ops="NA", c=64, n=2, h=9, w=9, layout="NHWC")]
+    runs = []
+    for i, case in enumerate(cases):
+        plan, handles = case.build()
+        plan.compile(cpu)
+        x, args, _ = case.random_args(plan, handles, np.random.default_rng(i))
+        fn = jax.jit(plan.execute)
+        runs.append((fn, x, args, np.asarray(fn(x, args))))
+    failures = []
+
+    def worker(k: int) -> None:
+        fn, x, args, expected = runs[k % len(runs)]
+        for _ in range(5):
+            if not np.array_equal(np.asarray(fn(x, args)), expected):
+                failures.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
 def test_case_list_is_distinct() -> None:
     # Every case above exercises something; duplicates would only cost time.
     assert len({dataclasses.astuple(c) for c in CONV_CASES + POINTWISE_CASES}) == len(
