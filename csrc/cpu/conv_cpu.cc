@@ -593,9 +593,12 @@ JF_TARGET_AVX2 void RunTaskAvx2(const Job& job, int64_t task) { RunTaskAnyWidth<
 #endif
 void RunTaskPortable(const Job& job, int64_t task) { RunTaskAnyWidth<Portable>(job, task); }
 
-// Splits the tiles into blocks whose input rows fit half of L2, then adds tasks (channel
-// ranges first, which keep each block's input reuse, then smaller blocks) until every thread
-// has several to balance.
+// Splits the work into tasks of a block of tiles x a range of channel blocks. When one channel
+// block's filters are large (deep layers), a task takes every tile (up to a few MiB of input)
+// and few channel blocks, so each filter is read (copied) once and then reused by every tile
+// from L2 while the input streams. Otherwise a task takes the tiles whose input rows fit half
+// of L2, and all channel blocks. Then tasks are split (channel ranges first, which keeps the
+// input reuse, then smaller tile blocks) until every thread has several to balance.
 void PlanTasks(Job* job) {
   const Conv& cv = *job->cv;
   const int64_t rows = cv.n * cv.oh;
@@ -605,11 +608,14 @@ void PlanTasks(Job* job) {
   const double rows_per_tile = job->pairs ? 2.0 : 1.0 / static_cast<double>(job->per_row);
   const double row_bytes = static_cast<double>(cv.wp * cv.c * sizeof(float));
   const double eff_h = static_cast<double>((cv.r - 1) * cv.dh + 1);
-  const double budget = static_cast<double>(L2Bytes()) / 2;
+  auto input_bytes = [&](int64_t tiles) {
+    return (static_cast<double>(tiles) * rows_per_tile * cv.sh + eff_h) * row_bytes;
+  };
+  const int64_t block_filter_bytes = job->filter_rows * job->nb * sizeof(float);
+  const bool deep = block_filter_bytes > L2Bytes() / 4;
+  const double budget = deep ? 4.0 * (1 << 20) : static_cast<double>(L2Bytes()) / 2;
   int64_t tb = 1;
-  while (tb < job->tiles && ((tb * 2) * rows_per_tile * cv.sh + eff_h) * row_bytes <= budget) {
-    tb *= 2;
-  }
+  while (tb < job->tiles && input_bytes(tb * 2) <= budget) tb *= 2;
   tb = std::min(tb, job->tiles);
   const int64_t threads = NumThreads();
   const int64_t flops = 2 * rows * cv.ow * cv.k * cv.cg * cv.taps();
@@ -623,8 +629,7 @@ void PlanTasks(Job* job) {
   job->tile_block = tb;
   job->kb_split = split;
   job->tasks = count();
-  const int64_t task_filter_bytes =
-      CeilDiv(job->kblocks, split) * job->filter_rows * job->nb * static_cast<int64_t>(sizeof(float));
+  const int64_t task_filter_bytes = CeilDiv(job->kblocks, split) * block_filter_bytes;
   job->tiles_outer = !cv.nchw && task_filter_bytes <= L2Bytes() / 2;
 }
 
