@@ -30,6 +30,7 @@ CONV_CASES = [
          ops="CBNSA", **NHWC),
     # float16 / bfloat16 HWIO filters converted in the per-task copy; one block and several.
     Case(c=24, k=32, h=6, w=17, dtype="float16", **NHWC),
+    Case(c=8, k=32, n=2, h=3, w=5, dtype="float16", ops="CBNSA", **NHWC),
     Case(c=64, k=96, h=5, w=15, dtype="bfloat16", ops="CNA", **NHWC),
     # Rows split into tiles of unequal widths (29 = 10 + 10 + 9 on AVX-512, 5 x 6 on AVX2).
     Case(c=16, k=64, h=4, w=29, **NHWC),
@@ -64,6 +65,9 @@ POINTWISE_CASES = [
     Case(ops="BNSA", c=3, n=1, h=130, w=130, activation="clipped_relu", dtype="float16"),
     Case(ops="NSA", c=40, n=2, h=7, w=9, layout="NHWC", activation="leaky_relu"),
     Case(ops="BA", c=40, n=2, h=7, w=9, activation="passthru", dtype="bfloat16"),
+    # float16 rows back to back in the output, converted several at a time.
+    Case(ops="NSA", c=5, n=2, h=6, w=7, dtype="float16"),
+    Case(ops="BA", c=16, n=3, h=3, w=4, layout="NHWC", dtype="float16", activation="leaky_relu"),
     # Staged through L1: chains the single pass does not take, some wider than a block.
     Case(ops="NA", c=5000, n=2, h=1, w=2, layout="NHWC", activation="tanh"),
     Case(ops="AB", c=3, n=1, h=70, w=70, activation="elu"),

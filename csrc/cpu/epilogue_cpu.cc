@@ -151,7 +151,7 @@ template <bool kFromInput, bool kSide, int kAct, bool kChannelPerRow>
 JF_ALWAYS_INLINE void FastRowHalf(const float* __restrict v, int64_t at, int64_t cols,
                                   const float* __restrict scale, const float* __restrict shift,
                                   const FastArgs& f) {
-  constexpr int64_t kChunk = 64;
+  constexpr int64_t kChunk = 512;
   alignas(64) float in[kChunk], side[kChunk], out[kChunk];
   const float s0 = scale[0], t0 = shift[0];
   for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
@@ -181,8 +181,50 @@ JF_ALWAYS_INLINE void FastRowAny(const float* v, int64_t at, int64_t cols, const
   }
 }
 
+// float16 rows that lie back to back in the output (a block of whole NHWC pixels, or of NCHW
+// planes) are converted several at a time: one conversion call per ~512 elements, not per row.
+template <bool kFromInput, bool kSide, int kAct>
+JF_ALWAYS_INLINE void FastRowsHalfPacked(const Block& b, const FastArgs& f) {
+  constexpr int64_t kChunk = 512;
+  alignas(64) float in[kChunk], side[kChunk], res[kChunk];
+  const int64_t group = std::max<int64_t>(1, kChunk / b.cols);
+  for (int64_t r0 = 0; r0 < b.rows; r0 += group) {
+    const int64_t nr = std::min(group, b.rows - r0), len = nr * b.cols;
+    const int64_t at = b.offset + r0 * b.out_row;
+    if (kFromInput) HalfRowToFloat(static_cast<const uint16_t*>(f.input) + at, len, in);
+    if (kSide) HalfRowToFloat(static_cast<const uint16_t*>(f.side) + at, len, side);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* x = kFromInput ? in + r * b.cols : b.values + (r0 + r) * b.ld;
+      const float* z = side + r * b.cols;
+      float* o = res + r * b.cols;
+      if (b.channel_per_row) {
+        const float s0 = f.scale[b.channel + r0 + r], t0 = f.shift[b.channel + r0 + r];
+        for (int64_t c = 0; c < b.cols; ++c) {
+          float u = x[c] * s0 + t0;
+          if (kSide) u += f.side_alpha * z[c];
+          o[c] = activate<kAct>(u, f.alpha, f.beta, f.gamma);
+        }
+      } else {
+        const float* sc = f.scale + b.channel;
+        const float* sh = f.shift + b.channel;
+        for (int64_t c = 0; c < b.cols; ++c) {
+          float u = x[c] * sc[c] + sh[c];
+          if (kSide) u += f.side_alpha * z[c];
+          o[c] = activate<kAct>(u, f.alpha, f.beta, f.gamma);
+        }
+      }
+    }
+    FloatRowToHalf(res, len, static_cast<uint16_t*>(f.y) + at);
+  }
+}
+
 template <DType D, bool kFromInput, bool kSide, int kAct>
 JF_ALWAYS_INLINE void FastRows(const Block& b, const FastArgs& f) {
+  if constexpr (D == DType::kF16) {
+    if (b.out_row == b.cols && b.cols <= 256) {
+      return FastRowsHalfPacked<kFromInput, kSide, kAct>(b, f);
+    }
+  }
   for (int64_t r = 0; r < b.rows; ++r) {
     const int64_t at = b.offset + r * b.out_row;
     const float* v = b.values + r * b.ld;
