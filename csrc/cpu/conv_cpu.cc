@@ -593,12 +593,12 @@ JF_TARGET_AVX2 void RunTaskAvx2(const Job& job, int64_t task) { RunTaskAnyWidth<
 #endif
 void RunTaskPortable(const Job& job, int64_t task) { RunTaskAnyWidth<Portable>(job, task); }
 
-// Splits the work into tasks of a block of tiles x a range of channel blocks. When one channel
-// block's filters are large (deep layers), a task takes every tile (up to a few MiB of input)
-// and few channel blocks, so each filter is read (copied) once and then reused by every tile
-// from L2 while the input streams. Otherwise a task takes the tiles whose input rows fit half
-// of L2, and all channel blocks. Then tasks are split (channel ranges first, which keeps the
-// input reuse, then smaller tile blocks) until every thread has several to balance.
+// Splits the work into tasks of a block of tiles x a range of channel blocks. A block of tiles
+// is at most what keeps its input rows in half of L2 (a few MiB when one channel block's
+// filters alone are that large: deep layers then reuse each filter block over many tiles).
+// Among the splits that give every thread several tasks, it takes the one that moves the
+// fewest bytes: every block of tiles reads all its channel blocks' filters, every channel
+// range reads all its tiles' input.
 void PlanTasks(Job* job) {
   const Conv& cv = *job->cv;
   const int64_t rows = cv.n * cv.oh;
@@ -614,22 +614,31 @@ void PlanTasks(Job* job) {
   const int64_t block_filter_bytes = job->filter_rows * job->nb * sizeof(float);
   const bool deep = block_filter_bytes > L2Bytes() / 4;
   const double budget = deep ? 4.0 * (1 << 20) : static_cast<double>(L2Bytes()) / 2;
-  int64_t tb = 1;
-  while (tb < job->tiles && input_bytes(tb * 2) <= budget) tb *= 2;
-  tb = std::min(tb, job->tiles);
+  int64_t most = 1;  // tiles per block
+  while (most < job->tiles && input_bytes(most * 2) <= budget) most *= 2;
+  most = std::min(most, job->tiles);
   const int64_t threads = NumThreads();
   const int64_t flops = 2 * rows * cv.ow * cv.k * cv.cg * cv.taps();
   // At least ~2 MFLOP per task, so that tiny layers do not pay for waking threads.
   const int64_t wanted = std::max<int64_t>(
       1, std::min<int64_t>(threads > 1 ? 4 * threads : 1, flops / (2 << 20)));
-  int64_t split = 1;
-  auto count = [&] { return CeilDiv(job->tiles, tb) * cv.groups * split; };
-  while (count() < wanted && split < job->kblocks) split = std::min(job->kblocks, split * 2);
-  while (count() < wanted && tb > 1) tb = CeilDiv(tb, 2);
-  job->tile_block = tb;
-  job->kb_split = split;
-  job->tasks = count();
-  const int64_t task_filter_bytes = CeilDiv(job->kblocks, split) * block_filter_bytes;
+  const double filters = static_cast<double>(block_filter_bytes * job->kblocks * cv.groups);
+  const double inputs = input_bytes(job->tiles);
+  double best = -1;
+  for (int64_t split = 1;; split = std::min(job->kblocks, split * 2)) {
+    const int64_t blocks_wanted = CeilDiv(wanted, cv.groups * split);
+    const int64_t tb = std::min(most, std::max<int64_t>(1, job->tiles / blocks_wanted));
+    const int64_t blocks = CeilDiv(job->tiles, tb);
+    const double moved = static_cast<double>(blocks) * filters + static_cast<double>(split) * inputs;
+    if (best < 0 || moved < best) {
+      best = moved;
+      job->tile_block = tb;
+      job->kb_split = split;
+    }
+    if (split == job->kblocks) break;
+  }
+  job->tasks = CeilDiv(job->tiles, job->tile_block) * cv.groups * job->kb_split;
+  const int64_t task_filter_bytes = CeilDiv(job->kblocks, job->kb_split) * block_filter_bytes;
   job->tiles_outer = !cv.nchw && task_filter_bytes <= L2Bytes() / 2;
 }
 
