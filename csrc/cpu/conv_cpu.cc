@@ -278,7 +278,7 @@ JF_ALWAYS_INLINE void TileKernel(const TileArgs& a, float* out) {
   const int64_t ps = a.pixel;
   for (int64_t t = 0; t < a.taps; ++t) {
     const float* p0 = a.x0 + a.tap_x[t];
-    const float* p0h = p0 + 7 * ps;
+    const float* p0h = M0 > 7 ? p0 + 7 * ps : p0;  // pixels 7.. (when there are)
     const float* p1 = a.x1 + a.tap_x[t];
     const float* wr = a.w + a.tap_w[t];
     for (int64_t i = 0; i < a.inner; ++i) {
@@ -356,6 +356,7 @@ struct Job {
   // fraction of its bandwidth while the tiles run, but streams well in a plain copy loop.
   bool copy_filters;
   int64_t filter_rows;          // (tap, ci) rows of one channel block
+  int64_t copy_group;           // channel blocks copied at once when a task's do not fit L2
   std::vector<int64_t> tap_w_copy;  // tap_w for the copy's layout
   int64_t nb, kblocks;
   int max_pix;
@@ -522,16 +523,20 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
   a.tap_w = job.tap_w.data();
   a.taps = static_cast<int64_t>(job.tap_x.size());
   a.inner = job.inner;
-  const float* copy = nullptr;
+  // Filters copied per task: all its channel blocks at once when they fit L2 (tiles outer),
+  // else a group at a time (as many blocks as fit half of L2, at least one), which bounds the
+  // per-thread buffer while keeping the copy's reads long.
+  float* copy = nullptr;
+  int64_t copied = k0;  // first channel block in `copy`
+  const int64_t group = job.tiles_outer ? k1 - k0 : job.copy_group;
   if (job.copy_filters) {
-    float* dst = ThreadScratch((k1 - k0) * job.filter_rows * kNb);
-    CopyFilterBlocks(job, gi, k0, k1, dst);
-    copy = dst;
+    copy = ThreadScratch(std::min(group, k1 - k0) * job.filter_rows * kNb);
+    if (job.tiles_outer) CopyFilterBlocks(job, gi, k0, k1, copy);
     a.w_row = kNb;
     a.tap_w = job.tap_w_copy.data();
   }
   auto run_tile = [&](int64_t kb, int64_t t) __attribute__((always_inline)) {
-    a.w = copy ? copy + (kb - k0) * job.filter_rows * kNb
+    a.w = copy ? copy + (kb - copied) * job.filter_rows * kNb
                : job.wt.floats() + gi * job.wt.group + kb * job.wt.block;
     const int64_t ch0 = gi * cv.kg + kb * kNb, nch = std::min<int64_t>(kNb, cv.kg - kb * kNb);
     Segment s0, s1;
@@ -559,8 +564,13 @@ JF_ALWAYS_INLINE void RunTask(const Job& job, int64_t task) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t kb = k0; kb < k1; ++kb) run_tile(kb, t);
   } else {
-    for (int64_t kb = k0; kb < k1; ++kb)
+    for (int64_t kb = k0; kb < k1; ++kb) {
+      if (copy && (kb - k0) % group == 0) {
+        CopyFilterBlocks(job, gi, kb, std::min(k1, kb + group), copy);
+        copied = kb;
+      }
       for (int64_t t = t0; t < t1; ++t) run_tile(kb, t);
+    }
   }
   nchw.Flush();
 }
@@ -640,6 +650,7 @@ void PlanTasks(Job* job) {
   job->tasks = CeilDiv(job->tiles, job->tile_block) * cv.groups * job->kb_split;
   const int64_t task_filter_bytes = CeilDiv(job->kblocks, job->kb_split) * block_filter_bytes;
   job->tiles_outer = !cv.nchw && task_filter_bytes <= L2Bytes() / 2;
+  job->copy_group = std::max<int64_t>(1, L2Bytes() / 2 / block_filter_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------
