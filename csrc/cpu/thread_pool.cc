@@ -14,6 +14,13 @@
 namespace jaxfuse::cpu {
 namespace {
 
+// ParallelFor calls running now. XLA runs independent ops concurrently, one per core when it
+// can; once as many calls are in flight as there are threads the cores are taken, and the
+// pool's workers step aside (their help would only add contention and polling).
+std::atomic<int> in_flight{0};
+
+bool CoresTaken() { return in_flight.load(std::memory_order_relaxed) >= NumThreads(); }
+
 struct Job {
   const std::function<void(int64_t)>* fn;
   int64_t n;
@@ -22,10 +29,13 @@ struct Job {
   std::mutex mu;
   std::condition_variable finished;
 
-  // Claims and runs indices until none are left; returns true if it ran the last one.
-  void Work() {
+  // Claims and runs indices until none are left (a pool worker stops early when the cores
+  // are taken: the calling thread always finishes its job).
+  void Work(bool worker) {
     int64_t ran = 0;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    while (!(worker && CoresTaken())) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= n) break;
       (*fn)(i);
       ++ran;
     }
@@ -60,7 +70,7 @@ class Pool {
       queued_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    job->Work();
+    job->Work(/*worker=*/false);
     // The last indices usually finish on other threads within microseconds: poll before
     // sleeping, so the caller does not pay a wake-up on every call.
     Poll([&] { return job->done.load(std::memory_order_acquire) == n; });
@@ -84,7 +94,7 @@ class Pool {
           continue;
         }
       }
-      job->Work();
+      job->Work(/*worker=*/true);
       std::lock_guard<std::mutex> lock(mu_);
       if (!jobs_.empty() && jobs_.front() == job) Pop();
     }
@@ -144,7 +154,12 @@ int NumThreads() {
 
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
-  if (n == 1 || NumThreads() == 1) {
+  // With the cores taken by concurrent calls, this one runs on its own thread.
+  const int calls = in_flight.fetch_add(1, std::memory_order_acq_rel) + 1;
+  struct Leave {
+    ~Leave() { in_flight.fetch_sub(1, std::memory_order_acq_rel); }
+  } leave;
+  if (n == 1 || NumThreads() == 1 || calls >= NumThreads()) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
