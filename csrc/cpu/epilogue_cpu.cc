@@ -102,7 +102,6 @@ JF_MULTIVERSION void ApplyStages(const Block& b, const EpilogueStage* stages, in
   }
 }
 
-
 // The single-pass form: v = x * scale + shift (per channel), then optionally + alpha * side,
 // then the activation, then the store, all in one loop along each row. Values come from the
 // block (a conv tile) or, for a plan without convolution, straight from the input tensor.
