@@ -240,7 +240,7 @@ def test_import_configures_but_creates_nothing(tmp_path) -> None:
             "print(json.dumps(extension().gpu_cache(keys=False)))")
     for value, expected in [(str(tmp_path / "c"), str(tmp_path / "c" / "kernels")), ("", "")]:
         env = {**os.environ, "JAXFUSE_CACHE_DIR": value}
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+        done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
                               text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         info = json.loads(done.stdout.strip().splitlines()[-1])
@@ -296,8 +296,8 @@ def test_processes_share_one_cache(tmp_path) -> None:
     _cache(directory).load("create")  # creates the directory
     library = extension().__file__
     roles = ["worker"] * 4 + ["vandal"]
-    children = [subprocess.Popen([sys.executable, "-c", _WORKER, library, str(directory), role,
-                                  str(seed), "150"], stdout=subprocess.PIPE,
+    children = [subprocess.Popen([sys.executable, "-P", "-c", _WORKER, library, str(directory),
+                                  role, str(seed), "150"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
                 for seed, role in enumerate(roles)]
     outputs = [child.communicate(timeout=300) for child in children]
@@ -336,8 +336,9 @@ def _gpu_children(cache_dir: Path, count: int) -> list[tuple[dict, str]]:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(cache_dir),
            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     code = _GPU_CHILD.format(tests=os.path.dirname(__file__))
-    children = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(count)]
+    children = [subprocess.Popen([sys.executable, "-P", "-c", code], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(count)]
     results = []
     for child in children:
         out, err = child.communicate(timeout=600)

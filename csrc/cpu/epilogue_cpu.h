@@ -1,4 +1,4 @@
-// The shared epilogue (kernels/epilogue.h) applied to rows of float32 results on the CPU.
+// The shared epilogue (kernels/epilogue.h) applied to blocks of float32 results on the CPU.
 #pragma once
 
 #include <cstdint>
@@ -9,27 +9,65 @@
 
 namespace jaxfuse::cpu {
 
-// Where a row of `count` results lies: output channel, per-activation parameter index and
-// output offset of its first element, and how each advances along the row.
-struct RowPlace {
-  int64_t channel, channel_step;
-  int64_t param, param_step;
-  int64_t offset, offset_step;
+// A block of float32 results, `rows` x `cols`, row r at `values + r * ld`, bound for the output
+// at element `offset + r * out_row + c` (columns are contiguous in the output and in the side
+// input). The output channel advances either with the rows (a row per channel: NCHW) or with
+// the columns (a row per pixel: NHWC). Per-activation batch-norm parameters are contiguous
+// along a row too: element (r, c) uses parameter `param + r * param_row + c`.
+struct Block {
+  float* values;
+  int64_t rows, cols, ld;
+  int64_t offset, out_row;
+  int64_t channel;
+  bool channel_per_row;
+  int64_t param, param_row;
+};
+
+// One operator of the folded chain: v * scale + shift per channel (kAffine) or per parameter
+// element (kParamAffine), the side input's add, or the activation.
+struct EpilogueStage {
+  enum Kind : int { kAffine, kParamAffine, kSideAdd, kActivation } kind;
+  const float* scale;
+  const float* shift;
+};
+
+// The common chains (a per-channel affine, a side add, a simple activation, each optional, in
+// that order) in the form a single pass applies: v * scale[c] + shift[c] (+ side_alpha * z),
+// then the activation (passthru, relu, clipped_relu or leaky_relu).
+struct SinglePass {
+  const float* scale;
+  const float* shift;
+  bool side;
+  int activation;
+  float side_alpha, alpha, beta, gamma;
 };
 
 class Epilogue {
  public:
-  // Folds batch norm into one scale and shift per parameter element, once per call.
+  // Folds the convolution's alpha, bias and spatial batch norm into one scale and shift per
+  // channel wherever they are adjacent in the chain, once per call.
   Epilogue(const PlanSpec& spec, const FusedParams& buffers);
 
-  // Applies the pointwise operators to `values` and stores them into the output.
-  void ApplyAndStore(float* values, int64_t count, const RowPlace& place) const;
+  // Applies the pointwise operators to the block (in place) and stores it into the output.
+  void Apply(const Block& block) const;
+
+  // The chain as a single pass, or nullptr when it is not one of the common chains.
+  const SinglePass* single_pass() const { return fast_ ? &single_ : nullptr; }
+
+  // Whether ApplyToInput can run this chain (one pass straight from the input to the output).
+  bool reads_input() const { return fast_; }
+  // For a chain without convolution: Apply to the input elements at the block's output
+  // offsets (the output has the input's shape); `values` is not used.
+  void ApplyToInput(const Block& block) const;
 
  private:
   const PlanSpec& spec_;
   const FusedParams& buffers_;
-  float conv_alpha_, side_alpha_, act_alpha_, act_beta_, act_gamma_;
-  std::vector<float> bn_scale_, bn_shift_;
+  float scalars_[4];  // side alpha, activation alpha, beta, gamma
+  std::vector<EpilogueStage> stages_;
+  bool fast_ = false;
+  SinglePass single_{};
+  std::vector<std::vector<float>> arrays_;  // storage behind the stages' scale and shift
 };
 
 }  // namespace jaxfuse::cpu

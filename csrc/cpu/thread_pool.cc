@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -14,6 +15,13 @@
 namespace jaxfuse::cpu {
 namespace {
 
+// ParallelFor calls running now. XLA runs independent ops concurrently, one per core when it
+// can; once as many calls are in flight as there are threads the cores are taken, and the
+// pool's workers step aside (their help would only add contention and polling).
+std::atomic<int> in_flight{0};
+
+bool CoresTaken() { return in_flight.load(std::memory_order_relaxed) >= NumThreads(); }
+
 struct Job {
   const std::function<void(int64_t)>* fn;
   int64_t n;
@@ -23,11 +31,14 @@ struct Job {
   std::condition_variable finished;
   std::exception_ptr error;  // the first exception a task threw (guarded by mu)
 
-  // Claims and runs indices until none are left. An exception must not escape a worker
-  // thread (that would terminate the process): it is kept and rethrown to the caller.
-  void Work() {
+  // Claims and runs indices until none are left (a pool worker stops early when the cores
+  // are taken: the calling thread always finishes its job). An exception must not escape a
+  // worker thread (that would terminate the process): it is kept and rethrown to the caller.
+  void Work(bool worker) {
     int64_t ran = 0;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    while (!(worker && CoresTaken())) {
+      const int64_t i = next.fetch_add(1);
+      if (i >= n) break;
       try {
         (*fn)(i);
       } catch (...) {
@@ -64,9 +75,13 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       jobs_.push_back(job);
+      queued_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
-    job->Work();
+    job->Work(/*worker=*/false);
+    // The last indices usually finish on other threads within microseconds: poll before
+    // sleeping, so the caller does not pay a wake-up on every call.
+    Poll([&] { return job->done.load(std::memory_order_acquire) == n; });
     std::unique_lock<std::mutex> lock(job->mu);
     job->finished.wait(lock, [&] { return job->done.load() == n; });
     if (job->error) std::rethrow_exception(job->error);
@@ -75,6 +90,7 @@ class Pool {
  private:
   void Loop() {
     while (true) {
+      SpinForWork();
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -83,15 +99,41 @@ class Pool {
         job = jobs_.front();
         // A job leaves the queue once every index is claimed.
         if (job->next.load() >= job->n) {
-          jobs_.pop_front();
+          Pop();
           continue;
         }
       }
-      job->Work();
+      job->Work(/*worker=*/true);
       std::lock_guard<std::mutex> lock(mu_);
-      if (!jobs_.empty() && jobs_.front() == job) jobs_.pop_front();
+      if (!jobs_.empty() && jobs_.front() == job) Pop();
     }
   }
+
+  // Returns when ready() holds or after kSpinMicros, whichever comes first.
+  template <class Ready>
+  static void Poll(Ready ready) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    for (int i = 1; !ready(); ++i) {
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+      if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return;
+    }
+  }
+
+  // XLA runs a network's layers back to back: a worker that has just finished polls for the
+  // next job a little while before it sleeps, which saves the wake-up latency of each call.
+  void SpinForWork() const {
+    Poll([this] { return queued_.load(std::memory_order_acquire) != 0; });
+  }
+
+  void Pop() {
+    jobs_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  static constexpr int kSpinMicros = 100;
+  std::atomic<int64_t> queued_{0};  // jobs_.size(), readable without the lock
 
   std::mutex mu_;
   std::condition_variable wake_;
@@ -121,7 +163,12 @@ int NumThreads() {
 
 void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
-  if (n == 1 || NumThreads() == 1) {
+  // With the cores taken by concurrent calls, this one runs on its own thread.
+  const int calls = in_flight.fetch_add(1, std::memory_order_acq_rel) + 1;
+  struct Leave {
+    ~Leave() { in_flight.fetch_sub(1, std::memory_order_acq_rel); }
+  } leave;
+  if (n == 1 || NumThreads() == 1 || calls >= NumThreads()) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }

@@ -31,9 +31,9 @@ class Buffers {
     // A 1 MiB random block, repeated: enough variety for timing and for telling results apart.
     std::vector<unsigned char> block(std::min<size_t>(bytes, size_t{1} << 20));
     std::uniform_real_distribution<float> dist(lo, hi);
-    for (size_t i = 0; i < block.size() / dtype_size(dtype); ++i) {
-      cpu::StoreFromFloat(block.data(), static_cast<int64_t>(i), dtype, dist(*rng));
-    }
+    std::vector<float> values(block.size() / dtype_size(dtype));
+    for (float& v : values) v = dist(*rng);
+    cpu::StoreRow(values.data(), static_cast<int64_t>(values.size()), dtype, block.data(), 0);
     for (size_t done = 0; done < bytes; done += block.size()) {
       driver_.CopyToDevice(ordinal_, static_cast<unsigned char*>(device) + done, block.data(),
                            std::min(block.size(), bytes - done));

@@ -1,0 +1,14 @@
+// The CPU convolution: an implicit GEMM over a float32 NHWC view of the input, register tiles
+// of output pixels x output channels, the epilogue applied to each tile before its one store.
+#pragma once
+
+#include "common/plan_spec.h"
+#include "cpu/epilogue_cpu.h"
+#include "kernels/params.h"
+
+namespace jaxfuse::cpu {
+
+// Runs the plan's convolution and epilogue into buffers.y.
+void RunConvolution(const PlanSpec& spec, const FusedParams& buffers, const Epilogue& epilogue);
+
+}  // namespace jaxfuse::cpu
