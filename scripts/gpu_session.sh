@@ -31,17 +31,12 @@ if has tests; then
   echo "pytest exit $? in $(( $(date +%s) - start )) s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
 if [[ $modes == *" final "* ]]; then
-  # The last check of a session: whatever never ran on a GPU first (several GPUs for sharding),
-  # then the rest of the GPU suite, under a hard time cap.
+  # The last check of a session: the whole GPU suite, four pytest workers sharing the GPU (kernel
+  # compilation is CPU-bound), under a hard time cap.
   echo "== final GPU tests ($(nvidia-smi -L | wc -l) GPUs)"
   start=$(date +%s)
-  JAXFUSE_AUTOTUNE=0 timeout ${FINAL_CAP:-330} $py -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_sharding.py tests/test_scale.py tests/test_disk_cache.py tests/test_concurrency.py \
-    tests/test_ffi_validation.py tests/test_properties.py tests/test_gpu_runtime.py \
-    tests/test_export.py tests/test_transforms.py tests/test_flax.py tests/test_rewrite.py \
-    tests/test_rewrite_flax.py \
-    tests/test_side_input.py tests/test_compile_cache.py tests/test_errors.py tests/test_plans.py \
-    > "$OUT/final_tests.log" 2>&1
+  JAXFUSE_AUTOTUNE=0 timeout ${FINAL_CAP:-400} $py -m pytest -m gpu -q -p no:cacheprovider \
+    -n ${FINAL_WORKERS:-4} --durations=8 tests > "$OUT/final_tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error|Timeout" "$OUT/final_tests.log" | tail -25
 fi
