@@ -30,9 +30,10 @@ def _operands(signature: jf.PlanSignature, device: Any) -> list[jax.Array]:
 
 
 def _ffi_call(result: Any, operands: list[Any], **attributes: Any) -> Any:
-    """The custom call target, bypassing the primitive and all of its Python checks."""
-    return jax.jit(lambda *ops: jax.ffi.ffi_call(FFI_TARGET, result)(*ops, **attributes))(
-        *operands)
+    """The custom call target, bypassing the primitive and all of its Python checks. Blocks:
+    on a GPU a handler's error surfaces when the result is awaited."""
+    return jax.block_until_ready(
+        jax.jit(lambda *ops: jax.ffi.ffi_call(FFI_TARGET, result)(*ops, **attributes))(*operands))
 
 
 @pytest.fixture(scope="module")
@@ -256,4 +257,4 @@ def test_exported_program_with_an_edited_plan(compiled, device) -> None:
                               ("dtype=f32", "dtype=f64", "unknown dtype")]:
         edited = blob.replace(plan.encode(), plan.replace(old, new).encode())
         with pytest.raises(RuntimeError, match=re.escape(message)):
-            jax.export.deserialize(bytearray(edited)).call(*ops)
+            jax.block_until_ready(jax.export.deserialize(bytearray(edited)).call(*ops))

@@ -12,9 +12,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error FusedChainCpu(std::string_view plan, ffi::RemainingArgs args,
+ffi::Error FusedChainCpu(ffi::Dictionary attrs, ffi::RemainingArgs args,
                          ffi::Result<ffi::AnyBuffer> out) {
   try {
+    std::string_view plan;
+    if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
     auto spec = LookupPlan(plan);
     DecodedOperands decoded;
     if (ffi::Error err = DecodeOperands(*spec, args, out, &decoded); err.failure()) return err;
@@ -29,7 +31,7 @@ ffi::Error FusedChainCpu(std::string_view plan, ffi::RemainingArgs args,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainCpu, FusedChainCpu,
                               ffi::Ffi::Bind()
-                                  .Attr<std::string_view>("plan")
+                                  .Attrs()
                                   .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>());
 

@@ -16,9 +16,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 template <gpu::Platform kPlatform>
-ffi::Error Initialize(int32_t device_ordinal, std::string_view plan, ffi::RemainingArgs,
+ffi::Error Initialize(int32_t device_ordinal, ffi::Dictionary attrs, ffi::RemainingArgs,
                       ffi::RemainingRets) {
   try {
+    std::string_view plan;
+    if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
     gpu::GetKernel(kPlatform, *LookupPlan(plan), device_ordinal);
     return ffi::Error::Success();
   } catch (const std::invalid_argument& e) {  // a malformed plan
@@ -29,9 +31,11 @@ ffi::Error Initialize(int32_t device_ordinal, std::string_view plan, ffi::Remain
 }
 
 template <gpu::Platform kPlatform>
-ffi::Error Execute(void* stream, int32_t device_ordinal, std::string_view plan,
+ffi::Error Execute(void* stream, int32_t device_ordinal, ffi::Dictionary attrs,
                    ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   try {
+    std::string_view plan;
+    if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
     auto spec = LookupPlan(plan);
     DecodedOperands decoded;
     if (ffi::Error err = DecodeOperands(*spec, args, out, &decoded); err.failure()) return err;
@@ -49,7 +53,7 @@ ffi::Error Execute(void* stream, int32_t device_ordinal, std::string_view plan,
 auto InitializeBinding() {
   return ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
       .Ctx<ffi::DeviceOrdinal>()
-      .Attr<std::string_view>("plan")
+      .Attrs()
       .RemainingArgs()
       .RemainingRets();
 }
@@ -58,7 +62,7 @@ auto ExecuteBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<void*>>()
       .Ctx<ffi::DeviceOrdinal>()
-      .Attr<std::string_view>("plan")
+      .Attrs()
       .RemainingArgs()
       .Ret<ffi::AnyBuffer>();
 }

@@ -20,6 +20,22 @@ ffi::Error Mismatch(const std::string& what) {
 
 }  // namespace
 
+ffi::Error PlanAttribute(const ffi::Dictionary& attrs, std::string_view* plan) {
+  if (attrs.size() != 1 || !attrs.contains("plan")) {
+    std::string names;
+    for (std::string_view name : attrs) names += (names.empty() ? " " : ", ") + std::string(name);
+    return Mismatch("the custom call takes one attribute, 'plan'; got " +
+                    std::to_string(attrs.size()) + " attributes" + names);
+  }
+  if (!attrs.contains<std::string_view>("plan")) {
+    return Mismatch("the attribute 'plan' must be a string");
+  }
+  auto value = attrs.get<std::string_view>("plan");
+  if (value.has_error()) return Mismatch("the attribute 'plan' cannot be decoded");
+  *plan = *value;
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
                           ffi::Result<ffi::AnyBuffer> out, DecodedOperands* decoded) {
   const auto expected = spec.operands();

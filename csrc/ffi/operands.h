@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/plan_spec.h"
@@ -15,6 +16,11 @@ struct DecodedOperands {
   std::vector<const void*> ptrs;  // in PlanSpec::operands() order
   void* out = nullptr;
 };
+
+// The call's one attribute, the encoded plan, or an error. Handlers bind the attribute
+// dictionary and check it here rather than letting XLA decode a typed attribute: a custom call
+// with missing or extra attributes then fails like any other mismatch, with our message.
+xla::ffi::Error PlanAttribute(const xla::ffi::Dictionary& attrs, std::string_view* plan);
 
 // Fills `decoded` or returns an error naming the operand that does not match the plan.
 xla::ffi::Error DecodeOperands(const PlanSpec& spec, xla::ffi::RemainingArgs args,
