@@ -1,10 +1,10 @@
 // XLA FFI handler for platform "cpu": decode, check, run the fused chain on the host.
 #include <exception>
+#include <memory>
 
 #include "cpu/fused_cpu.h"
 #include "ffi/handlers.h"
 #include "ffi/operands.h"
-#include "ffi/plan_registry.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -15,11 +15,9 @@ namespace {
 ffi::Error FusedChainCpu(ffi::Dictionary attrs, ffi::RemainingArgs args,
                          ffi::Result<ffi::AnyBuffer> out) {
   try {
-    std::string_view plan;
-    if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
-    auto spec = LookupPlan(plan);
+    std::shared_ptr<const PlanSpec> spec;
     DecodedOperands decoded;
-    if (ffi::Error err = DecodeOperands(*spec, args, out, &decoded); err.failure()) return err;
+    if (ffi::Error err = DecodeCall(attrs, args, out, &spec, &decoded); err.failure()) return err;
     cpu::RunFused(*spec, BindParams(*spec, decoded));
     return ffi::Error::Success();
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 // execution, outside any CUDA-graph capture) compiles and loads the plan's kernel for the
 // device; the execute stage decodes and checks the operands and launches on XLA's stream.
 #include <exception>
+#include <memory>
 #include <stdexcept>
 
 #include "ffi/handlers.h"
@@ -34,11 +35,9 @@ template <gpu::Platform kPlatform>
 ffi::Error Execute(void* stream, int32_t device_ordinal, ffi::Dictionary attrs,
                    ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   try {
-    std::string_view plan;
-    if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
-    auto spec = LookupPlan(plan);
+    std::shared_ptr<const PlanSpec> spec;
     DecodedOperands decoded;
-    if (ffi::Error err = DecodeOperands(*spec, args, out, &decoded); err.failure()) return err;
+    if (ffi::Error err = DecodeCall(attrs, args, out, &spec, &decoded); err.failure()) return err;
     // Normally a hit: plan.compile() or the initialize stage loaded it already.
     auto kernel = gpu::GetKernel(kPlatform, *spec, device_ordinal);
     gpu::Launch(kPlatform, *spec, *kernel, stream, BindParams(*spec, decoded));

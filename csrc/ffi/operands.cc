@@ -1,5 +1,7 @@
 #include "ffi/operands.h"
 
+#include "ffi/plan_registry.h"
+
 namespace jaxfuse {
 namespace ffi = xla::ffi;
 
@@ -65,6 +67,15 @@ ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
   }
   decoded->out = out->untyped_data();
   return ffi::Error::Success();
+}
+
+ffi::Error DecodeCall(const ffi::Dictionary& attrs, ffi::RemainingArgs args,
+                      ffi::Result<ffi::AnyBuffer> out, std::shared_ptr<const PlanSpec>* spec,
+                      DecodedOperands* decoded) {
+  std::string_view plan;
+  if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
+  *spec = LookupPlan(plan);
+  return DecodeOperands(**spec, args, out, decoded);
 }
 
 FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& d) {

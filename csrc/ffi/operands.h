@@ -2,6 +2,7 @@
 // handlers: every buffer's dtype and element count is checked before any kernel touches it.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,6 +27,13 @@ xla::ffi::Error PlanAttribute(const xla::ffi::Dictionary& attrs, std::string_vie
 xla::ffi::Error DecodeOperands(const PlanSpec& spec, xla::ffi::RemainingArgs args,
                                xla::ffi::Result<xla::ffi::AnyBuffer> out,
                                DecodedOperands* decoded);
+
+// What an execute-stage handler needs: the plan named by the call's attribute (parsed once per
+// process) and its operands, checked against it. Throws std::invalid_argument for a malformed
+// plan; returns an error for a mismatched call.
+xla::ffi::Error DecodeCall(const xla::ffi::Dictionary& attrs, xla::ffi::RemainingArgs args,
+                           xla::ffi::Result<xla::ffi::AnyBuffer> out,
+                           std::shared_ptr<const PlanSpec>* spec, DecodedOperands* decoded);
 
 // The decoded buffers as the kernels' parameter block (shared by every backend).
 FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& decoded);
