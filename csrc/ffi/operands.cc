@@ -29,11 +29,8 @@ ffi::Error PlanAttribute(const ffi::Dictionary& attrs, std::string_view* plan) {
     return Mismatch("the custom call takes one attribute, 'plan'; got " +
                     std::to_string(attrs.size()) + " attributes" + names);
   }
-  if (!attrs.contains<std::string_view>("plan")) {
-    return Mismatch("the attribute 'plan' must be a string");
-  }
   auto value = attrs.get<std::string_view>("plan");
-  if (value.has_error()) return Mismatch("the attribute 'plan' cannot be decoded");
+  if (value.has_error()) return Mismatch("the attribute 'plan' must be a string");
   *plan = *value;
   return ffi::Error::Success();
 }
