@@ -14,15 +14,16 @@ from jaxfuse._extension import extension
 from jaxfuse.activations import ActivationMode
 
 
-def _nvrtc_available() -> bool:
+def _compiler_available(platform: str) -> bool:
+    """Whether the runtime compiler of "CUDA" (NVRTC) or "ROCM" (hiprtc) can be loaded."""
     try:
-        extension().gpu_compiler("CUDA")
+        extension().gpu_compiler(platform)
         return True
     except RuntimeError:
         return False
 
 
-if not _nvrtc_available():
+if not _compiler_available("CUDA"):
     if os.environ.get("JAXFUSE_REQUIRE_NVRTC") == "1":
         raise RuntimeError("JAXFUSE_REQUIRE_NVRTC=1 but NVRTC cannot be loaded")
     pytest.skip("NVRTC is not installed", allow_module_level=True)
@@ -102,15 +103,7 @@ def test_every_tile_variant_compiles(case: Case, arch: str) -> None:
     assert len(tiles) == count, "variants are distinct tiles"
 
 
-def _hiprtc_available() -> bool:
-    try:
-        extension().gpu_compiler("ROCM")
-        return True
-    except RuntimeError:
-        return False
-
-
-HIPRTC = _hiprtc_available()
+HIPRTC = _compiler_available("ROCM")
 if not HIPRTC and os.environ.get("JAXFUSE_REQUIRE_HIPRTC") == "1":
     raise RuntimeError("JAXFUSE_REQUIRE_HIPRTC=1 but hiprtc cannot be loaded")
 
