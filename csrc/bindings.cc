@@ -11,6 +11,7 @@
 #include "cpu/thread_pool.h"
 #include "ffi/handlers.h"
 #include "ffi/plan_registry.h"
+#include "gpu/autotune.h"
 #include "gpu/backend.h"
 #include "gpu/embedded_sources.h"
 #include "gpu/kernel_cache.h"
@@ -177,6 +178,32 @@ NB_MODULE(_jaxfuse_ext, m) {
         cache.Store(key, binary);
       }, nb::arg("key"), nb::arg("data"))
       .def("keys", &jaxfuse::gpu::DiskCache::Keys);
+
+  // The process's disk cache (the GPU kernels' own), for small records such as the solver
+  // chooser's decisions: the same directory checks and per-entry verification apply.
+  m.def("cache_load", [](const std::string& key) -> nb::object {
+    std::string value;
+    bool hit;
+    {
+      nb::gil_scoped_release release;
+      hit = jaxfuse::gpu::DiskCache::Global().Load(key, &value);
+    }
+    if (!hit) return nb::none();
+    return nb::bytes(value.data(), value.size());
+  }, nb::arg("key"), "The verified disk-cache entry for `key`, or None.");
+  m.def("cache_store", [](const std::string& key, nb::bytes data) {
+    std::string value(static_cast<const char*>(data.data()), data.size());
+    nb::gil_scoped_release release;
+    jaxfuse::gpu::DiskCache::Global().Store(key, value);
+  }, nb::arg("key"), nb::arg("data"), "Stores `data` in the disk cache under `key`.");
+
+  // The device-timing lock (gpu/autotune.h), so that Python measurements and the variant
+  // autotuner never time at once. Acquire and release from the same thread.
+  m.def("timing_acquire", [] {
+    nb::gil_scoped_release release;  // the holder may need the GIL to finish
+    jaxfuse::gpu::DeviceTimingMutex().lock();
+  });
+  m.def("timing_release", [] { jaxfuse::gpu::DeviceTimingMutex().unlock(); });
 
   m.def("gpu_stats", [] {
     const auto s = jaxfuse::gpu::Stats();

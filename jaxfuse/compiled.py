@@ -3,34 +3,70 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import warnings
 from typing import Any
 
 import jax
 
+from . import find
 from ._extension import extension
 from .errors import FusionError
-from .runtime import gpu_platform
+from .primitive import checked_operands, fused_chain
 from .signature import PlanSignature
+from .solvers import XLA, FusedKernel, prepare_fused, solver_mode, xla_function
 
 __all__ = ["CompiledPlan", "cache_info", "clear_cache", "compile_signature", "default_device"]
+
+logger = logging.getLogger("jaxfuse")
 
 
 @dataclasses.dataclass(frozen=True)
 class CompiledPlan:
-    """A signature compiled for one device. The kernel itself lives in the extension's cache."""
+    """A signature compiled for one device: the solver that runs it and why.
+
+    The fused kernel itself lives in the extension's cache; the xla solver is a jax function.
+    """
 
     signature: PlanSignature
     platform: str
     device_id: int
-    kernel: str  # the GPU solver that runs it ("conv_direct", "pointwise", ...), or "cpu"
-    details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
+    kernel: str  # what runs it: "xla", "cpu", or the GPU kernel ("conv_wgmma", "pointwise", ...)
+    details: tuple[tuple[str, Any], ...] = ()  # the fused kernel's tile, variant, arch, origin
+    mode: str = "fused"  # "auto", "fused" or "xla" (see jaxfuse.solvers)
+    fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")
+    times_us: tuple[tuple[str, float], ...] = ()  # measured per run, by candidate
+    failures: tuple[tuple[str, str], ...] = ()  # why a candidate was dropped, by candidate
+    decided: str = "forced"  # "measured", "disk cache", or "forced" (by the mode)
+
+    @property
+    def uses_xla(self) -> bool:
+        return self.kernel == XLA
+
+    def info(self) -> dict[str, Any]:
+        """What :attr:`jaxfuse.FusionPlan.kernel_info` shows."""
+        info: dict[str, Any] = {"solver": self.kernel, **dict(self.details), "mode": self.mode,
+                                "decided": self.decided}
+        if self.fused_kernel is not None and self.uses_xla:
+            info["fused_kernel"] = self.fused_kernel
+        if self.times_us:
+            info["candidates_us"] = dict(self.times_us)
+        if self.failures:
+            info["failed"] = dict(self.failures)
+        return info
+
+    def execute(self, x: Any, *params: Any) -> jax.Array:
+        """Runs the chain with the chosen solver (traceable; operands as for fused_chain)."""
+        if self.uses_xla:
+            return xla_function(self.signature)(*checked_operands(self.signature, x, *params))
+        return fused_chain(self.signature, x, *params)
 
 
 _lock = threading.Lock()  # guards the dicts and counters below, never held while compiling
-_compiled: dict[tuple[str, int, PlanSignature], CompiledPlan] = {}
-_compiling: dict[tuple[str, int, PlanSignature], threading.Lock] = {}
+_Key = tuple[str, int, PlanSignature, str]  # platform, device id, signature, solver mode
+_compiled: dict[_Key, CompiledPlan] = {}
+_compiling: dict[_Key, threading.Lock] = {}
 _stats = {"compilations": 0, "hits": 0}
 
 
@@ -39,15 +75,19 @@ def default_device() -> Any:
     return jax.devices()[0]
 
 
-def compile_signature(signature: PlanSignature, device: Any = None) -> CompiledPlan:
+def compile_signature(signature: PlanSignature, device: Any = None,
+                      solver: str | None = None) -> CompiledPlan:
     """Compiles `signature` for `device` once; later calls with an equal signature are hits.
 
+    `solver` is the mode (:func:`jaxfuse.solvers.solver_mode`): in ``"auto"`` the fused kernel
+    and XLA's composition are measured and the faster kept (:mod:`jaxfuse.find`).
     Thread-safe: different signatures compile concurrently (the extension releases the GIL),
     and threads asking for the same one wait for a single compilation.
     """
     device = default_device() if device is None else device
+    mode = solver_mode(solver)
     platform = device.platform.lower()
-    key = (platform, device.id, signature)
+    key = (platform, device.id, signature, mode)
     with _lock:
         hit = _lookup(key)
         if hit is not None:
@@ -59,7 +99,7 @@ def compile_signature(signature: PlanSignature, device: Any = None) -> CompiledP
             if hit is not None:
                 return hit
         try:
-            compiled = _compile(signature, platform, device)
+            compiled = _compile(signature, platform, device, mode)
             with _lock:  # published before the per-plan lock goes: no window for a 2nd compile
                 _compiled[key] = compiled
                 _stats["compilations"] += 1
@@ -69,7 +109,7 @@ def compile_signature(signature: PlanSignature, device: Any = None) -> CompiledP
                 _compiling.pop(key, None)
 
 
-def _lookup(key: tuple[str, int, PlanSignature]) -> CompiledPlan | None:
+def _lookup(key: _Key) -> CompiledPlan | None:
     """A memoized plan, counted as a hit (with _lock held)."""
     hit = _compiled.get(key)
     if hit is not None:
@@ -77,37 +117,37 @@ def _lookup(key: tuple[str, int, PlanSignature]) -> CompiledPlan | None:
     return hit
 
 
-def _compile(signature: PlanSignature, platform: str, device: Any) -> CompiledPlan:
-    ext = extension()
-    encoded = signature.encode()
+def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) -> CompiledPlan:
+    common = {"signature": signature, "platform": platform, "device_id": device.id, "mode": mode}
+    if mode == XLA:
+        return CompiledPlan(kernel=XLA, **common)
     try:
-        if platform == "cpu":
-            kernel = ext.cpu_prepare(encoded)
-        elif platform in ("gpu", "cuda", "rocm"):
-            kernel, details = _compile_gpu(ext, encoded, device)
-            return CompiledPlan(signature, platform, device.id, kernel, details)
-        else:
-            raise FusionError(f"jaxfuse has no backend for platform {platform!r}")
-    except (RuntimeError, ValueError) as err:
-        raise FusionError(f"compiling {signature.describe()} for {device} failed:\n{err}") from err
-    return CompiledPlan(signature, platform, device.id, kernel)
+        fused = _prepare(signature, device)
+    except FusionError as err:
+        if mode == "fused":
+            raise
+        # XLA's composition runs wherever jax does: the plan still has a solver.
+        logger.debug("jaxfuse: the fused kernel for %s is not available: %s",
+                     signature.describe(), err)
+        return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="measured",
+                            **common)
+    common.update(details=fused.details, fused_kernel=fused.label)
+    if mode == "fused":
+        return CompiledPlan(kernel=fused.solver, **common)
+    decision = find.choose(signature, device, fused)
+    return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
+                        times_us=decision.times_us, failures=decision.failures,
+                        decided=decision.origin, **common)
+
+
+def _prepare(signature: PlanSignature, device: Any) -> FusedKernel:
+    fused = prepare_fused(signature, device)
+    if device.platform.lower() != "cpu":
+        _warn_once_if_disk_cache_off(extension().gpu_cache(keys=False)["problem"])
+    return fused
 
 
 _warned_cache_problem = False
-
-
-def _compile_gpu(ext: Any, encoded: str, device: Any) -> tuple[str, tuple[tuple[str, Any], ...]]:
-    """Compiles (or finds in the kernel caches) and loads the plan's kernel on `device`."""
-    platform = gpu_platform(device)
-    ordinal = getattr(device, "local_hardware_id", None)
-    ordinal = device.id if ordinal is None else ordinal
-    if platform == "ROCM":  # HIP cannot report its architecture name portably
-        ext.gpu_register_device(platform, ordinal, str(device.compute_capability),
-                                int(getattr(device, "core_count", 0)), 64 * 1024)
-    kernel = ext.gpu_prepare(platform, encoded, ordinal)
-    _warn_once_if_disk_cache_off(ext.gpu_cache(keys=False)["problem"])
-    details = tuple((k, kernel[k]) for k in ("tile", "variant", "arch", "origin"))
-    return kernel["solver"], details
 
 
 def _warn_once_if_disk_cache_off(problem: str) -> None:

@@ -24,7 +24,6 @@ from .ops import (
     SideInputAddOp,
     batchnorm_mode,
 )
-from .primitive import fused_chain
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["FusionPlan"]
@@ -120,30 +119,39 @@ class FusionPlan:
             height=d.dim("H"), width=d.dim("W"), ops="".join(op.letter for op in self._ops),
             conv=self._conv_spec, bn_mode=bn, activation=act)
 
-    def compile(self, device: Any = None) -> FusionPlan:
+    def compile(self, device: Any = None, *, solver: str | None = None) -> FusionPlan:
         """Validates the plan and compiles it for `device` (default: jax's default device).
+
+        `solver` chooses what runs the plan: ``"auto"`` times jaxfuse's fused kernel and XLA's
+        unfused composition on the device and keeps the faster (a candidate that fails is
+        dropped, so the plan always runs); ``"fused"`` insists on jaxfuse's kernel (raising
+        if it cannot be built); ``"xla"`` runs the unfused composition. Default:
+        ``$JAXFUSE_SOLVER``, else ``"auto"``. The choice is memoized in memory and on disk.
 
         Compiling an identical plan again, from this or another FusionPlan, is a cache hit.
         Returns the plan, so ``plan.compile().execute(x, args)`` reads naturally.
         """
-        self._compiled = compile_signature(self.signature, device)
+        self._compiled = compile_signature(self.signature, device, solver)
         self._compiled_version = self._version
         return self
 
     @property
     def solver(self) -> str | None:
-        """The kernel the compiled plan runs ("conv_igemm", "conv_direct", "pointwise" on GPUs;
-        "cpu" on the host), or None before ``compile()``."""
+        """What runs the compiled plan: ``"xla"`` (XLA's unfused composition), ``"cpu"``, or
+        the GPU kernel (``"conv_wgmma"``, ``"conv_igemm"``, ``"pointwise"``, ...); None before
+        ``compile()``."""
         return self._compiled.kernel if self.is_compiled else None
 
     @property
     def kernel_info(self) -> dict[str, Any]:
-        """What runs the compiled plan: ``solver``, and on GPUs the ``tile`` configuration, the
-        autotuned ``variant``, the ``arch`` and the binary's ``origin`` (compiler or disk
-        cache). Empty before ``compile()``."""
+        """What runs the compiled plan and why: ``solver`` (as :attr:`solver`), the ``mode``,
+        how it was ``decided`` ("measured", "disk cache", or "forced" by the mode), the
+        measured ``candidates_us`` and why any candidate ``failed``; on GPUs the fused kernel's
+        ``tile``, autotuned ``variant``, ``arch`` and binary ``origin``. Empty before
+        ``compile()``."""
         if not self.is_compiled:
             return {}
-        return {"solver": self._compiled.kernel, **dict(self._compiled.details)}
+        return self._compiled.info()
 
     @property
     def is_compiled(self) -> bool:
@@ -165,10 +173,9 @@ class FusionPlan:
                               "again before execute()")
         if not isinstance(args, OperatorArgs):
             raise TypeError(f"execute needs an OperatorArgs, got {type(args).__name__}")
-        sig = self._compiled.signature
         _check_input(x, self._input_desc)
         params, scalars = self._collect(args)
-        return fused_chain(sig, x, *params, _pack_scalars(scalars))
+        return self._compiled.execute(x, *params, _pack_scalars(scalars))
 
     def _collect(self, args: OperatorArgs) -> tuple[list[Any], dict[str, Any]]:
         params: list[Any] = []

@@ -23,7 +23,7 @@ from ._extension import FFI_TARGET
 from .signature import PlanSignature
 from .transforms import install_rules, typed_output_sharding, with_unfused_derivative
 
-__all__ = ["fused_chain", "fused_chain_p"]
+__all__ = ["checked_operands", "fused_chain", "fused_chain_p"]
 
 fused_chain_p = Primitive("jaxfuse_fused_chain")
 
@@ -37,20 +37,24 @@ _differentiable = with_unfused_derivative(_bind)
 
 
 def fused_chain(signature: PlanSignature, x: Any, *params: Any) -> jax.Array:
-    """Runs the fused chain described by `signature`.
+    """Runs the fused chain described by `signature` with jaxfuse's kernel.
 
     `params` are the operands after `x` in ``signature.operands`` order (filters, bias, batch-norm
     scale/shift/mean/var, side input, scalars). Per-channel parameters may be any float dtype;
     they are applied in float32.
     """
+    return _differentiable(signature, *checked_operands(signature, x, *params))
+
+
+def checked_operands(signature: PlanSignature, x: Any, *params: Any) -> list[Any]:
+    """`x` and `params` checked against ``signature.operands`` (count, shapes, dtypes), with
+    per-channel parameters converted to float32; raises naming the operand that is wrong."""
     specs = signature.operands
     if len(params) != len(specs) - 1:
         raise TypeError(f"fused chain {signature.ops} takes {len(specs)} operands "
                         f"({', '.join(s.name for s in specs)}), got {len(params) + 1}")
-    operands = []
-    for spec, value in zip(specs, (x, *params)):
-        operands.append(_checked_operand(spec.name, spec.shape, spec.dtype, value))
-    return _differentiable(signature, *operands)
+    return [_checked_operand(spec.name, spec.shape, spec.dtype, value)
+            for spec, value in zip(specs, (x, *params))]
 
 
 def _checked_operand(name: str, shape: tuple[int, ...], dtype: np.dtype, value: Any) -> Any:

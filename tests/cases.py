@@ -150,11 +150,13 @@ def relative_error(out: Any, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def run_case(case: Case, device: Any, seed: int = 0, jit: bool = True) -> float:
-    """Compiles, executes and checks one case on `device`; returns the relative error."""
+def run_case(case: Case, device: Any, seed: int = 0, jit: bool = True,
+             solver: str | None = None) -> float:
+    """Compiles (with solver mode `solver`), executes and checks one case on `device`; returns
+    the relative error."""
     rng = np.random.default_rng(seed)
     plan, handles = case.build()
-    plan.compile(device)
+    plan.compile(device, solver=solver)
     x, args, operands = case.random_args(plan, handles, rng)
     x, args = jax.device_put((x, args), device)
     run = jax.jit(plan.execute) if jit else plan.execute

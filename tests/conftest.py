@@ -15,6 +15,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # checks reject NaN: an element the kernel forgot to write cannot pass. Set before jaxfuse loads.
 os.environ.setdefault("JAXFUSE_POISON_OUTPUTS", "1")
 
+# The tests check jaxfuse's own kernels, so plans run them rather than whichever of them and
+# XLA measures faster (tests/test_solvers.py covers that choice, asking for it per plan).
+os.environ.setdefault("JAXFUSE_SOLVER", "fused")
+
 import jax
 import pytest
 

@@ -4,6 +4,7 @@
 // be chosen, however fast.
 #pragma once
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -26,5 +27,11 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
 
 // JAXFUSE_AUTOTUNE=0 turns autotuning off (variant 0 is used).
 bool AutotuneEnabled();
+
+// Held while anything in this process times work on a device (the variant autotuner here, the
+// solver chooser in Python): concurrent plan compilations must not share the GPU while one of
+// them measures, or each would time the other's kernels too. Timed: the autotuner waits at
+// most a few seconds for it, so a holder that needs a kernel tuned can never deadlock.
+std::timed_mutex& DeviceTimingMutex();
 
 }  // namespace jaxfuse::gpu

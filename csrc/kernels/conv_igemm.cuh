@@ -44,16 +44,17 @@ constexpr int kBTile = kFiltersKMajor ? kBN * kBPitch : kBK * kBPitch;
 constexpr int kStage = kATile + kBTile;
 constexpr int kCPitch = kBN + 4;  // floats: the epilogue's staging tile
 
-constexpr int kAChunksPerRow = kBK / 8;  // 16-byte chunks
-constexpr int kAChunks = kBM * kAChunksPerRow / kThreads;
+// 16-byte chunks per stage, and per thread (rounded up: tiles whose chunks do not split
+// evenly over the threads leave the last round partly idle, e.g. 16x64 B slices on 256 threads).
+constexpr int kAChunksPerRow = kBK / 8;
+constexpr int kAChunkCount = kBM * kAChunksPerRow, kBChunkCount = kBK * kBN / 8;
+constexpr int kAChunks = (kAChunkCount + kThreads - 1) / kThreads;
+constexpr int kBChunks = (kBChunkCount + kThreads - 1) / kThreads;
 // Gathered A: each thread fills kGatherRun consecutive kk of one row.
 constexpr int kGatherThreadsPerRow = kThreads / kBM;
 constexpr int kGatherRun = kBK / (kGatherThreadsPerRow > 0 ? kGatherThreadsPerRow : 1);
-constexpr int kBChunks = kBK * kBN / 8 / kThreads;
 
 static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
-static_assert(kBM * kAChunksPerRow % kThreads == 0, "A chunks split evenly over threads");
-static_assert(kBK * kBN / 8 % kThreads == 0, "B chunks split evenly over threads");
 static_assert(kBK % 16 == 0, "whole mma k-steps");
 static_assert(!kGatherA || (!kFiltersKMajor && kStages == 2), "gathered A: HWIO, two stages");
 static_assert(!kGatherA || (kThreads % kBM == 0 && kGatherRun % 8 == 0), "one row per thread");
@@ -96,6 +97,7 @@ JF_DEVICE void load_a(const Io::type* x, u16* sa, const PixelRow* rows, int kt,
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
     const int chunk = tid + i * kThreads;
+    if (kAChunkCount % kThreads != 0 && chunk >= kAChunkCount) break;
     const int row = chunk / kAChunksPerRow, col8 = chunk % kAChunksPerRow;
     const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
     mma::copy16_async(mma::smem_addr(sa + row * kAPitch + col8 * 8), src ? src : x, src);
@@ -107,6 +109,7 @@ JF_DEVICE void load_b(const Io::type* w, u16* sb, int kt, i64 group, int n0, int
 #pragma unroll
   for (int i = 0; i < kBChunks; ++i) {
     const int chunk = tid + i * kThreads;
+    if (kBChunkCount % kThreads != 0 && chunk >= kBChunkCount) break;
     int row, col8, k;
     i64 kk;
     if (kFiltersKMajor) {  // [k][kk]: a row is one output channel

@@ -19,8 +19,9 @@ import jax
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
+from ..solvers import XLA, solver_mode
 from .graph import Graph, Value, call_name
-from .lowering import build_plan, compile_plans, emit
+from .lowering import build_plan, compile_plans, emit, plan_of
 from .matcher import Group, Skipped, find_groups
 
 __all__ = ["Recorder", "Rewriter", "StaticArgs", "fuse", "recording", "trace"]
@@ -35,10 +36,12 @@ _BODY_PARAMS = {"jaxpr", "call_jaxpr", "branches", "cond_jaxpr", "body_jaxpr"}
 
 
 class Recorder:
-    """Collects what the rewrite did in every scope (for :func:`jaxfuse.fusion_report`)."""
+    """Collects what the rewrite did in every scope (for :func:`jaxfuse.fusion_report`):
+    per scope, the groups fused, the groups left to XLA because it measured faster, and the
+    convolutions that could not start a chain."""
 
     def __init__(self) -> None:
-        self.scopes: list[tuple[str, list[Group], list[Skipped]]] = []
+        self.scopes: list[tuple[str, list[Group], list[Group], list[Skipped]]] = []
         self.notes: list[tuple[str, JaxprEqn, str]] = []
 
 
@@ -58,7 +61,7 @@ def recording() -> Iterator[Recorder]:
 
 
 def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = (),
-         static_argnames: str | Sequence[str] = ()) -> Any:
+         static_argnames: str | Sequence[str] = (), solver: str | None = None) -> Any:
     """Returns `fn` with every convolution chain it computes replaced by one fused kernel.
 
     A chain is a ``lax.conv_general_dilated`` (as ``flax.linen.Conv``, ``flax.nnx.Conv`` or
@@ -67,6 +70,11 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     ``y * a + c``), a residual add, and an activation (relu, relu6/clip, leaky relu, elu,
     sigmoid, tanh, softplus, abs). Intermediate values used elsewhere keep the chain unfused at
     that point. Results match `fn` up to rounding.
+
+    Each chain's plan is compiled with `solver` (see :meth:`jaxfuse.FusionPlan.compile`): in
+    ``"auto"``, the default, a chain for which XLA's own kernels measured faster than the
+    fused one on this device is left exactly as `fn` computes it, so the fused program is
+    never slower than `fn` chain by chain.
 
     The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
     ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
@@ -81,16 +89,18 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     """
     if fn is None:
         return functools.partial(fuse, static_argnums=static_argnums,
-                                 static_argnames=static_argnames)
+                                 static_argnames=static_argnames, solver=solver)
     statics = StaticArgs(static_argnums, static_argnames)
+    if solver is not None:
+        solver_mode(solver)  # a bad name fails here, not at the first call
 
     @functools.wraps(fn)
     def fused(*args: Any, **kwargs: Any) -> Any:
         closed, out_tree, flat = trace(fn, statics, args, kwargs)
-        outs = Rewriter(_recorder.get()).evaluate(closed.jaxpr, closed.consts, flat)
+        outs = Rewriter(_recorder.get(), solver).evaluate(closed.jaxpr, closed.consts, flat)
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
-    fused.__jaxfuse_fuse__ = (fn, statics)  # type: ignore[attr-defined]
+    fused.__jaxfuse_fuse__ = (fn, statics, solver)  # type: ignore[attr-defined]
     return fused
 
 
@@ -123,8 +133,9 @@ def trace(fn: Callable[..., Any], statics: StaticArgs, args: tuple[Any, ...],
 class Rewriter:
     """Evaluates jaxprs with their convolution chains fused; rewrites nested bodies once."""
 
-    def __init__(self, recorder: Recorder | None = None):
+    def __init__(self, recorder: Recorder | None = None, solver: str | None = None):
         self.recorder = recorder
+        self.solver = solver
         self._bodies: dict[int, tuple[ClosedJaxpr, ClosedJaxpr]] = {}
         self._scope: list[str] = []
         self._conv_inside: dict[int, tuple[Jaxpr, bool]] = {}
@@ -136,9 +147,12 @@ class Rewriter:
         if any(e.primitive.name == "conv_general_dilated" for e in jaxpr.eqns):
             g = Graph(jaxpr, list(consts))
             groups, skipped = find_groups(g, build_plan)
-            compile_plans(groups)
+            compile_plans(groups, self.solver)
+            # Chains XLA runs faster keep their own equations: plain jax.jit's program.
+            to_xla = [group for group in groups if plan_of(group).solver == XLA]
+            groups = [group for group in groups if plan_of(group).solver != XLA]
             if self.recorder is not None:
-                self.recorder.scopes.append(("/".join(self._scope), groups, skipped))
+                self.recorder.scopes.append(("/".join(self._scope), groups, to_xla, skipped))
         consumed = set().union(*(group.tops for group in groups))
         emit_at = {group.emit_at: group for group in groups}
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))

@@ -27,7 +27,7 @@ from .graph import Graph, Value
 from .matcher import ConvInfo, Group, PlanOp
 from .patterns import Step
 
-__all__ = ["build_plan", "compile_plans", "emit"]
+__all__ = ["build_plan", "compile_plans", "emit", "plan_of"]
 
 Reader = Callable[[Value], Any]
 
@@ -59,17 +59,22 @@ def build_plan(info: ConvInfo, plan_ops: tuple[PlanOp, ...]) -> tuple[FusionPlan
     return _built_plan(info.x_desc, info.w_desc, info.conv, letters, activation)
 
 
-def compile_plans(groups: list[Group]) -> None:
-    """Compiles the groups' plans concurrently: on GPUs each is a runtime-compiler run, and a
-    network has dozens (the extension releases the GIL while compiling)."""
-    plans = {id(p): p for p in (build_plan(g.info, g.plan_ops)[0] for g in groups)
-             if not p.is_compiled}
+def plan_of(group: Group) -> FusionPlan:
+    """The group's plan (as built by :func:`build_plan`)."""
+    return build_plan(group.info, group.plan_ops)[0]
+
+
+def compile_plans(groups: list[Group], solver: str | None = None) -> None:
+    """Compiles the groups' plans with solver mode `solver`, concurrently: on GPUs each is a
+    runtime-compiler run, and a network has dozens (the extension releases the GIL while
+    compiling; measurements take turns)."""
+    plans = {id(p): p for p in map(plan_of, groups)}
     if len(plans) <= 1:
         for plan in plans.values():
-            plan.compile()
+            plan.compile(solver=solver)
         return
     with concurrent.futures.ThreadPoolExecutor(min(len(plans), os.cpu_count() or 1)) as pool:
-        for future in [pool.submit(plan.compile) for plan in plans.values()]:
+        for future in [pool.submit(plan.compile, solver=solver) for plan in plans.values()]:
             future.result()
 
 

@@ -20,7 +20,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from ..primitive import fused_chain_p
 from .fuse import Rewriter, StaticArgs, recording, trace
-from .lowering import build_plan
+from .lowering import plan_of
 from .matcher import Group, PlanOp, Skipped
 
 __all__ = ["FusedGroup", "FusionReport", "LeftAlone", "count_fused_calls", "fusion_report"]
@@ -38,6 +38,9 @@ class FusedGroup:
       scope: the nested body it sits in (``"jit(f)/scan"``), empty at the top level.
       stopped: why the chain ends there, or None at a natural end (the value is returned, or an
         operation that is not pointwise needs it, such as the next convolution).
+      solver: what runs it: the fused kernel (``"conv_wgmma"``, ``"cpu"``, ...) or ``"xla"``.
+      times_us: measured microseconds per run, by candidate (``"fused"``, ``"xla"``); empty
+        when the solver was forced rather than measured.
     """
 
     ops: tuple[str, ...]
@@ -46,6 +49,16 @@ class FusedGroup:
     where: str
     scope: str
     stopped: str | None
+    solver: str = ""
+    times_us: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def saved_us(self) -> float | None:
+        """Microseconds per run the solver saves over the other candidate (None unmeasured)."""
+        times = dict(self.times_us)
+        if "fused" not in times or "xla" not in times:
+            return None
+        return abs(times["xla"] - times["fused"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +73,13 @@ class LeftAlone:
 
 @dataclasses.dataclass(frozen=True)
 class FusionReport:
-    """The fused groups and the chains left alone, with the rewritten program."""
+    """The fused groups, the chains left to XLA because it measured faster, the convolutions
+    left alone, and the rewritten program."""
 
     fused: tuple[FusedGroup, ...]
     left_alone: tuple[LeftAlone, ...]
     jaxpr: ClosedJaxpr
+    to_xla: tuple[FusedGroup, ...] = ()
 
     @property
     def fused_calls(self) -> int:
@@ -78,26 +93,51 @@ class FusionReport:
     def __len__(self) -> int:
         return len(self.fused)
 
+    def _headline(self) -> str:
+        xla = f", {len(self.to_xla)} left to XLA (measured faster)" if self.to_xla else ""
+        return (f"jaxfuse: {len(self.fused)} chain(s) fused{xla}, {len(self.left_alone)} "
+                "left alone")
+
     def summary(self) -> str:
-        """A few lines: how many chains of each kind were fused, and every chain left alone."""
-        kinds: dict[tuple[str, tuple[str, ...]], int] = {}
+        """A few lines: per kind of chain, how many were fused, by which solver and the time
+        saved; the chains left to XLA and why; every convolution left alone."""
+        kinds: dict[tuple[str, tuple[str, ...], str], list[FusedGroup]] = {}
         for g in self.fused:
-            kinds[(g.plan, g.ops)] = kinds.get((g.plan, g.ops), 0) + 1
-        lines = [f"jaxfuse: {len(self.fused)} chain(s) fused, {len(self.left_alone)} left alone"]
-        for (plan, ops), n in sorted(kinds.items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {n:4d} x {plan:<6} {' -> '.join(ops)}")
+            kinds.setdefault((g.plan, g.ops, g.solver), []).append(g)
+        lines = [self._headline()]
+        for (plan, ops, solver), groups in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+            chain = f"{plan:<6} {' -> '.join(ops)}"
+            lines.append(f"  {len(groups):4d} x {chain:<48} {solver:<14}"
+                         f"{_saved(g.saved_us for g in groups)}")
+        for g in self.to_xla:
+            times = dict(g.times_us)
+            why = (f"XLA measured faster ({times['xla']:.1f} us vs {times['fused']:.1f} us fused)"
+                   if "fused" in times and "xla" in times else "XLA chosen")
+            lines.append(f"  xla   {g.plan} at {g.where}: {why}")
         for s in self.left_alone:
             lines.append(f"  left  {s.op} at {s.where}: {s.reason}")
+        measured = [g for g in (*self.fused, *self.to_xla) if g.saved_us is not None]
+        if measured:
+            unfused = sum(dict(g.times_us)["xla"] for g in measured)
+            chosen = sum(min(dict(g.times_us).values()) for g in measured)
+            lines.append(f"  measured chains: {chosen:.1f} us per call as chosen, "
+                         f"{unfused:.1f} us all-XLA (saves {unfused - chosen:.1f} us)")
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        lines = [f"jaxfuse: {len(self.fused)} chain(s) fused, {len(self.left_alone)} left alone"]
+        lines = [self._headline()]
         for g in self.fused:
             scope = f" [in {g.scope}]" if g.scope else ""
             lines.append(f"  fused {g.plan:<6} {' -> '.join(g.ops)}")
-            lines.append(f"        at {g.where}{scope}  ({g.kernel})")
+            lines.append(f"        at {g.where}{scope}  ({g.kernel}; {g.solver}"
+                         f"{_saved([g.saved_us])})")
             if g.stopped:
                 lines.append(f"        stops: {g.stopped}")
+        for g in self.to_xla:
+            scope = f" [in {g.scope}]" if g.scope else ""
+            lines.append(f"  xla   {g.plan:<6} {' -> '.join(g.ops)}")
+            lines.append(f"        at {g.where}{scope}  ({g.kernel}; XLA is faster"
+                         f"{_saved([g.saved_us])})")
         for s in self.left_alone:
             scope = f" [in {s.scope}]" if s.scope else ""
             lines.append(f"  left  {s.op} at {s.where}{scope}")
@@ -112,20 +152,22 @@ def fusion_report(fn: Callable[..., Any], *example_args: Any,
     `fn` may be a plain function or the result of :func:`jaxfuse.fuse` (whose static arguments
     are then honored). Nothing is executed; plans are compiled.
     """
-    target, statics = getattr(fn, "__jaxfuse_fuse__", (fn, StaticArgs((), ())))
+    target, statics, solver = getattr(fn, "__jaxfuse_fuse__", (fn, StaticArgs((), ()), None))
     closed, _, flat = trace(target, statics, example_args, example_kwargs)
     with recording() as recorder:
-        rewriter = Rewriter(recorder)
+        rewriter = Rewriter(recorder, solver)
         new = jax.make_jaxpr(
             lambda *a: rewriter.evaluate(closed.jaxpr, closed.consts, a))(*flat)
     fused: list[FusedGroup] = []
+    to_xla: list[FusedGroup] = []
     left: list[LeftAlone] = []
-    for scope, groups, skipped in recorder.scopes:
+    for scope, groups, xla_groups, skipped in recorder.scopes:
         fused += [_describe_group(scope, g) for g in groups]
+        to_xla += [_describe_group(scope, g) for g in xla_groups]
         left += [_describe_skipped(scope, s) for s in skipped]
     left += [LeftAlone(eqn.primitive.name, _where(eqn), scope, note)
              for scope, eqn, note in recorder.notes]
-    return FusionReport(tuple(fused), tuple(left), new)
+    return FusionReport(tuple(fused), tuple(left), new, tuple(to_xla))
 
 
 def count_fused_calls(jaxpr: ClosedJaxpr | Jaxpr) -> int:
@@ -142,10 +184,18 @@ def count_fused_calls(jaxpr: ClosedJaxpr | Jaxpr) -> int:
 
 
 def _describe_group(scope: str, group: Group) -> FusedGroup:
-    plan, _ = build_plan(group.info, group.plan_ops)
+    plan = plan_of(group)
     ops = ["conv"] + [_op_label(op) for op in group.plan_ops]
+    info = plan.kernel_info
     return FusedGroup(tuple(ops), group.letters, plan.signature.describe(),
-                      _where(group.conv.eqn), scope, group.stop)
+                      _where(group.conv.eqn), scope, group.stop, info.get("solver", ""),
+                      tuple(info.get("candidates_us", {}).items()))
+
+
+def _saved(values: Any) -> str:
+    """", saves 12.3 us" for the sum of the measured savings in `values`, or ""."""
+    known = [v for v in values if v is not None]
+    return f", saves {sum(known):.1f} us" if known else ""
 
 
 def _describe_skipped(scope: str, skipped: Skipped) -> LeftAlone:

@@ -1,0 +1,164 @@
+"""Choosing a plan's solver by measurement: MIOpen's find step, cuDNN's autotuning.
+
+For a signature on a device, :func:`choose` times jaxfuse's fused kernel and XLA's unfused
+composition in one harness (:mod:`jaxfuse.measure`) on random inputs of the plan's shapes,
+checks that they agree, and keeps the faster. A candidate that fails (compiles, runs, or
+disagrees with the other) is dropped and the reason kept; XLA's composition runs wherever jax
+does, so a plan always has a solver.
+
+Decisions are memoized in memory by the caller (:mod:`jaxfuse.compiled`) and here on disk, in
+the kernel cache (``$JAXFUSE_CACHE_DIR/kernels``, with its directory checks and per-entry
+verification), keyed by everything that can change the outcome: the device kind, jax, jaxlib,
+jaxfuse and its kernel sources, ``XLA_FLAGS``, the fused kernel's tile and the plan.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import jax
+import jaxlib
+
+from ._extension import extension
+from .measure import Harness, device_timing, random_operands, relative_error, set_count
+from .signature import PlanSignature
+from .solvers import XLA, FusedKernel, fused_function, xla_function
+
+__all__ = ["Decision", "choose", "stats"]
+
+logger = logging.getLogger("jaxfuse")
+
+FUSED = "fused"
+# How far the fused result may be from XLA's (norm-relative) before it counts as wrong: XLA
+# itself runs float32 convolutions in TF32 and rounds between the unfused steps.
+_TOLERANCE = {"float32": 1e-2, "float16": 2e-2, "bfloat16": 4e-2}
+
+_lock = threading.Lock()
+_stats = {"measured": 0, "disk_hits": 0}
+# One thread runs every measurement: it carries no jax trace (plans compile while a caller's
+# function is being traced, where jax ops would be staged instead of run), and measurements
+# never overlap.
+_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfuse-find")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Which solver runs a signature on a device, and the evidence.
+
+    Attributes:
+      solver: ``"fused"`` or ``"xla"``.
+      times_us: measured microseconds per run, by candidate (``"fused"``, ``"xla"``).
+      failures: why a candidate was dropped, by candidate.
+      origin: ``"measured"`` now, or ``"disk cache"``.
+    """
+
+    solver: str
+    times_us: tuple[tuple[str, float], ...] = ()
+    failures: tuple[tuple[str, str], ...] = ()
+    origin: str = "measured"
+
+    def to_json(self) -> bytes:
+        return json.dumps({"solver": self.solver, "times_us": dict(self.times_us),
+                           "failures": dict(self.failures)}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Decision | None:
+        """The decision stored in `data`, or None for anything malformed."""
+        try:
+            raw = json.loads(data.decode())
+            solver = raw["solver"]
+            times = tuple((str(k), float(v)) for k, v in raw["times_us"].items())
+            failures = tuple((str(k), str(v)) for k, v in raw["failures"].items())
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            return None
+        if solver not in (FUSED, XLA):
+            return None
+        return cls(solver, times, failures, origin="disk cache")
+
+
+def stats() -> dict[str, int]:
+    """Counts of measurements made and decisions read from disk in this process."""
+    with _lock:
+        return dict(_stats)
+
+
+def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decision:
+    """The faster of `fused` (prepared on `device`) and XLA for `signature`: from the disk
+    cache when this exact setting was measured before, else measured now."""
+    key = _disk_key(signature, device, fused)
+    stored = extension().cache_load(key)
+    decision = None if stored is None else Decision.from_json(stored)
+    if decision is not None:
+        with _lock:
+            _stats["disk_hits"] += 1
+        return decision
+    decision = _worker.submit(_measure, signature, device).result()
+    with _lock:
+        _stats["measured"] += 1
+    extension().cache_store(key, decision.to_json())
+    logger.debug("jaxfuse: %s on %s -> %s (%s)", signature.describe(), device.device_kind,
+                 decision.solver, decision)
+    return decision
+
+
+def _measure(signature: PlanSignature, device: Any) -> Decision:
+    times: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    if any(d == 0 for d in signature.output_shape):
+        return Decision(FUSED, failures=((XLA, "not measured: the output is empty"),))
+    with device_timing():
+        try:
+            sets = random_operands(signature, device, set_count(signature, device))
+        except Exception as err:
+            return Decision(FUSED, failures=((XLA, f"not measured: {_first_line(err)}"),))
+        outputs: dict[str, Any] = {}
+        for name, make in ((FUSED, fused_function), (XLA, xla_function)):
+            try:
+                harness = Harness.compile(make(signature), sets, device)
+                outputs[name] = harness.first_output()
+                times[name] = harness.seconds_per_run() * 1e6
+            except Exception as err:
+                failures[name] = _first_line(err)
+                logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,
+                             err)
+        if FUSED in outputs and XLA in outputs:
+            error = relative_error(outputs[FUSED], outputs[XLA])
+            if not error <= _TOLERANCE[signature.dtype.name]:
+                failures[FUSED] = f"disagrees with XLA (relative error {error:.2e})"
+                logger.warning("jaxfuse: the fused kernel for %s disagrees with XLA (relative "
+                               "error %.2e); XLA runs it", signature.describe(), error)
+                times.pop(FUSED, None)
+    working = {k: v for k, v in times.items() if k not in failures}
+    solver = min(working, key=working.get) if working else FUSED
+    return Decision(solver, tuple(times.items()), tuple(failures.items()))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+@functools.cache
+def _environment_key(device_kind: str, platform: str) -> str:
+    ext = extension()
+    sources = hashlib.sha256(
+        json.dumps(sorted(ext.kernel_sources().items())).encode()).hexdigest()[:16]
+    flags = hashlib.sha256(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:12]
+    host = f"{os.cpu_count()} cpus, {ext.cpu_threads()} threads" if platform == "cpu" else ""
+    from . import __version__
+
+    return (f"{platform}|{device_kind}{host and ' ' + host}|jax {jax.__version__}|jaxlib "
+            f"{jaxlib.__version__}|jaxfuse {__version__} kernels {sources}|xla_flags {flags}")
+
+
+def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
+    environment = _environment_key(device.device_kind, device.platform.lower())
+    return f"jaxfuse-solver-v1|{environment}|{fused.label}|{signature.encode()}"

@@ -1,0 +1,157 @@
+"""Timing a plan's candidate solvers on a device, in one harness for all of them.
+
+Every candidate is a traceable function of the primitive's operands. Each is compiled into one
+``jax.jit`` program that runs it on K distinct random input sets (straight-line code: no input
+stays cached between the K runs, and dispatch is paid once per K runs), then called many times
+back to back; the time per run is the median over rounds of (round time / calls / K). All
+candidates take the same operands, so what the harness itself costs is the same for each. The
+runtime scalars (epsilon, activation parameters) are constants of the program, as they are
+when a plan runs with concrete scalars, so XLA may fold them as it would there.
+
+Measurements hold the extension's device-timing lock (shared with the kernel autotuner), so
+plans compiled concurrently never time each other's work; compiling the programs happens under
+it too, since XLA's own autotuning runs kernels on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._extension import extension
+from .signature import SCALARS, PlanSignature
+
+__all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "relative_error",
+           "set_count"]
+
+# What the K input sets may take, in bytes, and how long one timed round should be.
+_SET_BUDGET = {"cpu": 64 << 20, "gpu": 256 << 20}
+_MAX_SETS = 8
+_ROUND_SECONDS = {"cpu": 0.02, "gpu": 0.01}
+_ROUNDS = 5
+
+# The runtime scalars candidates are timed with: meaningful for every activation mode.
+_SCALARS = {"conv_alpha": 1.0, "bn_epsilon": 1e-3, "act_alpha": 0.1, "act_beta": 1.0,
+            "act_gamma": 1.0, "side_alpha": 1.0}
+TIMING_SCALARS = np.asarray([_SCALARS.get(name, 0.0) for name in SCALARS], np.float32)
+
+
+@contextlib.contextmanager
+def device_timing() -> Iterator[None]:
+    """Holds the process's device-timing lock (one measurement at a time)."""
+    ext = extension()
+    ext.timing_acquire()
+    try:
+        yield
+    finally:
+        ext.timing_release()
+
+
+def _platform_kind(device: Any) -> str:
+    return "cpu" if device.platform.lower() == "cpu" else "gpu"
+
+
+def set_count(signature: PlanSignature, device: Any) -> int:
+    """How many distinct input sets fit the harness's memory budget (1 to 8)."""
+    nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands)
+    nbytes += math.prod(signature.output_shape) * signature.dtype.itemsize
+    budget = _SET_BUDGET[_platform_kind(device)]
+    return int(min(_MAX_SETS, max(1, budget // max(nbytes, 1))))
+
+
+def random_operands(signature: PlanSignature, device: Any, sets: int,
+                    seed: int = 0) -> list[tuple[jax.Array, ...]]:
+    """`sets` tuples of random operands of `signature` on `device`, generated there, without
+    the trailing scalars operand (see :data:`TIMING_SCALARS`).
+
+    Values are those of real layers: inputs in [-1, 1), filters scaled by the fan-in, batch-norm
+    scales near 1 and variances in [0.5, 2), so every activation mode computes finite results.
+    """
+    specs = signature.operands[:-1]  # the scalars come last
+    fan_in = 1
+    if signature.conv is not None:
+        fan_in = math.prod(signature.filter_shape) // signature.conv.out_channels
+    ranges = {"x": (-1.0, 1.0), "side": (-1.0, 1.0), "bias": (-1.0, 1.0),
+              "w": (-fan_in ** -0.5, fan_in ** -0.5), "scale": (0.5, 1.5),
+              "shift": (-1.0, 1.0), "mean": (-0.5, 0.5), "var": (0.5, 2.0)}
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def one_set(key: jax.Array) -> tuple[jax.Array, ...]:
+        keys = jax.random.split(key, len(specs))
+        out = []
+        for spec, k in zip(specs, keys):
+            lo, hi = ranges[spec.name]
+            u = jax.random.uniform(k, spec.shape, jnp.float32, lo, hi)
+            out.append(u.astype(spec.dtype))
+        return tuple(out)
+
+    make = jax.jit(one_set, out_shardings=sharding)
+    base = jax.random.key(seed)
+    return [make(jax.random.fold_in(base, i)) for i in range(sets)]
+
+
+@dataclasses.dataclass
+class Harness:
+    """One candidate compiled into the timing program, for one list of input sets."""
+
+    run_all: Any  # the compiled program: input sets -> one output per set
+    sets: Sequence[tuple[jax.Array, ...]]
+    platform: str
+
+    @classmethod
+    def compile(cls, fn: Callable[..., jax.Array],
+                sets: Sequence[tuple[jax.Array, ...]], device: Any) -> Harness:
+        """Compiles ``[fn(*s, TIMING_SCALARS) for s in sets]`` as one program (raises if `fn`
+        cannot)."""
+        program = jax.jit(lambda many: [fn(*s, TIMING_SCALARS) for s in many])
+        return cls(program.lower(list(sets)).compile(), sets, _platform_kind(device))
+
+    def first_output(self) -> jax.Array:
+        """The candidate's result on the first input set (to check candidates agree)."""
+        return self.run_all(list(self.sets))[0]
+
+    def seconds_per_run(self) -> float:
+        """Median seconds per run of the candidate (see the module docstring)."""
+        sets = list(self.sets)
+        jax.block_until_ready(self.run_all(sets))  # first run: allocations, module loads
+        start = time.perf_counter()
+        jax.block_until_ready(self.run_all(sets))
+        once = max(time.perf_counter() - start, 1e-7)
+        calls = int(min(64, max(1, math.ceil(_ROUND_SECONDS[self.platform] / once))))
+        rounds = []
+        for _ in range(_ROUNDS):
+            start = time.perf_counter()
+            out = None
+            for _ in range(calls):
+                out = self.run_all(sets)  # back to back: the device queue never drains
+            jax.block_until_ready(out)
+            rounds.append((time.perf_counter() - start) / (calls * len(sets)))
+        return statistics.median(rounds)
+
+
+def relative_error(a: jax.Array, b: jax.Array) -> float:
+    """``|a - b| / |b|`` in float32 on the device (inf when either has a non-finite value
+    where the other does not)."""
+
+    @jax.jit
+    def error(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+        same_nonfinite = jnp.all(jnp.isfinite(a32) == jnp.isfinite(b32))
+        both = jnp.isfinite(a32) & jnp.isfinite(b32)
+        diff = jnp.where(both, a32 - b32, 0.0)
+        ref = jnp.where(both, b32, 0.0)
+        return jnp.linalg.norm(diff.ravel()), jnp.linalg.norm(ref.ravel()), same_nonfinite
+
+    diff, ref, same = (np.asarray(v) for v in error(a, b))
+    if not bool(same):
+        return math.inf
+    return float(diff) / max(float(ref), 1e-30)

@@ -1,0 +1,172 @@
+"""The solvers a plan can run on (MIOpen's word), and how a user picks between them.
+
+Two solvers compete for every plan signature on a device:
+
+- **fused**: jaxfuse's own kernel for the plan, one launch for the whole chain. On GPUs the
+  extension generates it and autotunes its tile variants itself (``csrc/gpu/autotune.cc``);
+  ``kernel_info["solver"]`` then names the kernel family (``conv_wgmma``, ``pointwise``, ...),
+  ``"cpu"`` on the host.
+- **xla**: the unfused composition, written as a user writes the chain in jax, as XLA compiles
+  it (with cuDNN and cuBLAS on GPUs): what plain ``jax.jit`` runs for the chain.
+
+Each solver answers the same three questions: can it run the signature here (and if not,
+why), how to prepare it on a device, and the traceable function that runs it. Neither knows
+about the other; :mod:`jaxfuse.find` measures both and keeps the faster.
+
+Which solvers are considered is the *mode*: ``"auto"`` (measure, keep the fastest correct
+one; the default), ``"fused"`` (jaxfuse's kernel, or an error saying why it cannot run) or
+``"xla"``. The mode comes from ``plan.compile(solver=...)`` / ``jaxfuse.fuse(fn, solver=...)``,
+else the ``JAXFUSE_SOLVER`` environment variable, else ``"auto"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._extension import extension
+from .activations import ActivationMode, jax_activation
+from .errors import FusionError
+from .runtime import gpu_platform
+from .signature import SCALARS, PlanSignature
+
+__all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "prepare_fused",
+           "solver_mode", "xla_function"]
+
+SolverMode = Literal["auto", "fused", "xla"]
+MODES: tuple[str, ...] = ("auto", "fused", "xla")
+XLA = "xla"  # the xla solver's name in kernel_info
+
+
+def solver_mode(mode: str | None = None) -> SolverMode:
+    """The mode to use: `mode` if given, else ``$JAXFUSE_SOLVER``, else ``"auto"``."""
+    source = "solver"
+    if mode is None:
+        mode, source = os.environ.get("JAXFUSE_SOLVER") or "auto", "JAXFUSE_SOLVER"
+    if not isinstance(mode, str) or mode.lower() not in MODES:
+        raise ValueError(f"{source} must be one of {', '.join(MODES)}; got {mode!r}")
+    return mode.lower()  # type: ignore[return-value]
+
+
+# ----- fused: jaxfuse's own kernel ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FusedKernel:
+    """jaxfuse's kernel for a signature, prepared (compiled and loaded) on a device."""
+
+    solver: str  # "cpu", or the GPU kernel family ("conv_wgmma", "pointwise", ...)
+    details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
+
+    @property
+    def label(self) -> str:
+        """The kernel and its tile, e.g. ``conv_wgmma 128x64 s4 b2``."""
+        tile = dict(self.details).get("tile")
+        return f"{self.solver} {tile}" if tile else self.solver
+
+
+def prepare_fused(signature: PlanSignature, device: Any) -> FusedKernel:
+    """Compiles (or finds in the caches) jaxfuse's kernel for `signature` on `device`.
+
+    Raises FusionError saying why when the backend cannot run it (no backend for the platform,
+    a compiler failure with its log, a refused plan).
+    """
+    platform = device.platform.lower()
+    ext = extension()
+    encoded = signature.encode()
+    try:
+        if platform == "cpu":
+            return FusedKernel(ext.cpu_prepare(encoded))
+        if platform in ("gpu", "cuda", "rocm"):
+            return _prepare_gpu(ext, encoded, device)
+    except (RuntimeError, ValueError) as err:
+        raise FusionError(f"compiling {signature.describe()} for {device} failed:\n{err}") from err
+    raise FusionError(f"jaxfuse has no backend for platform {platform!r}")
+
+
+def _prepare_gpu(ext: Any, encoded: str, device: Any) -> FusedKernel:
+    platform = gpu_platform(device)
+    ordinal = getattr(device, "local_hardware_id", None)
+    ordinal = device.id if ordinal is None else ordinal
+    if platform == "ROCM":  # HIP cannot report its architecture name portably
+        ext.gpu_register_device(platform, ordinal, str(device.compute_capability),
+                                int(getattr(device, "core_count", 0)), 64 * 1024)
+    kernel = ext.gpu_prepare(platform, encoded, ordinal)
+    details = tuple((k, kernel[k]) for k in ("tile", "variant", "arch", "origin"))
+    return FusedKernel(kernel["solver"], details)
+
+
+def fused_function(signature: PlanSignature) -> Callable[..., jax.Array]:
+    """The fused kernel as a traceable function of the primitive's operands."""
+    from .primitive import fused_chain_p  # the primitive module imports this one's users
+
+    def run(*operands: Any) -> jax.Array:
+        return fused_chain_p.bind(*operands, signature=signature)
+
+    return run
+
+
+# ----- xla: the unfused composition --------------------------------------------------------------
+# Activations that are exact in any dtype (max, min, select, one multiply): XLA may fold them
+# into cuDNN's fused convolution when they run in the data dtype. The others run in float32.
+_PIECEWISE_LINEAR = {ActivationMode.PASSTHRU, ActivationMode.RELU, ActivationMode.CLIPPED_RELU,
+                     ActivationMode.LEAKY_RELU, ActivationMode.ABS}
+
+
+def xla_function(signature: PlanSignature) -> Callable[..., jax.Array]:
+    """The unfused composition as a traceable function of the primitive's operands: the chain
+    as a user writes it in jax (each step in the data dtype, in the plan's layout), so XLA
+    compiles exactly what plain ``jax.jit`` would: cuDNN's convolution with what it fuses,
+    then one loop fusion for the rest. Results differ from the fused kernel's (one rounding,
+    float32 epilogue) by rounding only."""
+
+    def run(*operands: Any) -> jax.Array:
+        return _composition(signature, *operands)
+
+    return run
+
+
+def _composition(signature: PlanSignature, *operands: Any) -> jax.Array:
+    ops = dict(zip((spec.name for spec in signature.operands), operands))
+    dtype = signature.dtype
+    scalars = dict(zip(SCALARS, (ops["scalars"][i] for i in range(len(SCALARS)))))
+    channel_axis = 1 if signature.layout == "NCHW" else 3
+
+    def per_channel(p: Any, bn: bool = False) -> Any:
+        p = jnp.asarray(p)
+        if bn and signature.bn_mode == "per_activation":
+            return p[None].astype(dtype)
+        shape = [1, 1, 1, 1]
+        shape[channel_axis] = -1
+        return p.reshape(shape).astype(dtype)
+
+    y = ops["x"]
+    for letter in signature.ops:
+        if letter == "C":
+            c = signature.conv
+            y = lax.conv_general_dilated(
+                y, ops["w"], c.strides, c.padding, rhs_dilation=c.dilation,
+                dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
+                feature_group_count=c.groups,
+                precision=None if c.allow_tf32 else lax.Precision.HIGHEST)
+            y = y * scalars["conv_alpha"].astype(dtype)
+        elif letter == "B":
+            y = y + per_channel(ops["bias"])
+        elif letter == "N":
+            inv = ops["scale"] * lax.rsqrt(ops["var"] + scalars["bn_epsilon"])
+            y = (y - per_channel(ops["mean"], True)) * per_channel(inv, True) + \
+                per_channel(ops["shift"], True)
+        elif letter == "S":
+            y = y + scalars["side_alpha"].astype(dtype) * ops["side"]
+        elif letter == "A":
+            mode = signature.activation
+            params = (scalars["act_alpha"], scalars["act_beta"], scalars["act_gamma"])
+            if mode in _PIECEWISE_LINEAR:
+                y = jax_activation(mode, y, *(p.astype(dtype) for p in params))
+            else:
+                y = jax_activation(mode, y.astype(jnp.float32), *params).astype(dtype)
+    return y.astype(dtype)

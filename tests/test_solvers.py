@@ -1,0 +1,283 @@
+"""Solver choice by measurement (jaxfuse.find): the fused kernel and XLA's composition compete
+per plan signature and device; the faster correct one runs, a failing one is dropped, the
+decision is memoized in memory and on disk, and the user can force either."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import Case, run_case
+
+import jaxfuse as jf
+from jaxfuse import compiled, find, solvers
+from jaxfuse.activations import ActivationMode
+from jaxfuse.errors import FusionError
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    """Each test measures afresh: its own disk cache, no in-memory plans."""
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    jf._extension.extension().gpu_configure(str(tmp_path / "cache" / "kernels"), [])
+    jf.clear_cache()
+    yield
+    jf.clear_cache()
+
+
+SMALL = Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", n=2, c=8, h=10,
+             w=10, k=16)
+
+
+def test_auto_measures_both_and_keeps_the_faster(device) -> None:
+    plan, _ = SMALL.build()
+    plan.compile(device, solver="auto")
+    info = plan.kernel_info
+    assert info["mode"] == "auto" and info["decided"] == "measured"
+    times = info["candidates_us"]
+    assert set(times) == {"fused", "xla"} and all(t > 0 for t in times.values())
+    faster = min(times, key=times.get)
+    assert (info["solver"] == "xla") == (faster == "xla")
+    assert plan.solver == info["solver"]
+    run_case(SMALL, device, solver="auto")
+
+
+@pytest.mark.parametrize("mode", ["fused", "xla"])
+def test_a_forced_solver_is_not_measured(mode, device) -> None:
+    before = find.stats()["measured"]
+    plan, _ = SMALL.build()
+    plan.compile(device, solver=mode)
+    info = plan.kernel_info
+    assert info["mode"] == mode and info["decided"] == "forced"
+    assert (info["solver"] == "xla") == (mode == "xla")
+    assert "candidates_us" not in info
+    assert find.stats()["measured"] == before
+
+
+# The xla solver computes the same function as the kernels: every activation, both batch-norm
+# modes, every dtype and layout, strides, padding, dilation and groups, against float64.
+XLA_CASES = (
+    [Case(ops="CBNSA", dtype=dt, layout=layout, filter_layout=fl, activation=mode.value)
+     for dt in ("float32", "float16", "bfloat16")
+     for layout, fl in (("NCHW", "OIHW"), ("NHWC", "HWIO"))
+     for mode in (ActivationMode.RELU, ActivationMode.ELU, ActivationMode.CLIPPED_RELU)]
+    + [Case(ops="CBA", activation=mode.value) for mode in ActivationMode]
+    + [Case(ops="BNA", activation=mode.value, dtype="bfloat16") for mode in ActivationMode]
+    + [Case(ops=ops, bn_mode="per_activation", layout=layout)
+       for ops in ("CNA", "NA") for layout in ("NCHW", "NHWC")]
+    + [Case(ops="CBA", groups=4, c=8, k=12, strides=(2, 1), dilation=(1, 2), padding="SAME"),
+       Case(ops="CA", filter_layout="OHWI", layout="NHWC", precision="highest"),
+       Case(ops="S"), Case(ops="B"), Case(ops="N")]
+)
+
+
+@pytest.mark.parametrize("case", XLA_CASES, ids=str)
+def test_the_xla_solver_matches_the_reference(case, device) -> None:
+    run_case(case, device, solver="xla", seed=3)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_xla_solver_under_grad_and_vmap(jit) -> None:
+    """Both solvers compute the same function, so their derivatives agree too."""
+    runs = {}
+    for mode in ("xla", "fused"):
+        plan, handles = SMALL.build()
+        x, args, _ = SMALL.random_args(plan, handles, np.random.default_rng(0))
+        plan.compile(solver=mode)
+
+        def loss(x, args, plan=plan):
+            return jnp.sum(plan.execute(x, args) ** 2)
+
+        grad = jax.grad(loss, argnums=(0, 1))
+        runs[mode] = (plan, x, args, (jax.jit(grad) if jit else grad)(x, args))
+    (gx_xla, ga_xla), (gx_fused, ga_fused) = runs["xla"][3], runs["fused"][3]
+    np.testing.assert_allclose(gx_xla, gx_fused, rtol=2e-4, atol=2e-4)
+    for a, b in zip(jax.tree.leaves(ga_xla), jax.tree.leaves(ga_fused)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4)
+    plan, x, args, _ = runs["xla"]
+    out = jax.vmap(plan.execute, in_axes=(0, None))(jnp.stack([x, 2 * x]), args)
+    np.testing.assert_allclose(out[1], plan.execute(2 * x, args), rtol=1e-5, atol=1e-5)
+
+
+def test_the_environment_variable_sets_the_default(monkeypatch) -> None:
+    monkeypatch.setenv("JAXFUSE_SOLVER", "XLA")
+    plan, _ = SMALL.build()
+    assert plan.compile().kernel_info["mode"] == "xla"
+    monkeypatch.setenv("JAXFUSE_SOLVER", "fastest")
+    with pytest.raises(ValueError, match="JAXFUSE_SOLVER must be one of auto, fused, xla"):
+        SMALL.build()[0].compile()
+    with pytest.raises(ValueError, match="solver must be one of"):
+        SMALL.build()[0].compile(solver="cudnn")
+    with pytest.raises(ValueError, match="solver must be one of"):
+        jf.fuse(lambda x: x, solver=3)
+
+
+def test_a_kernel_that_cannot_be_built_is_dropped(monkeypatch, caplog) -> None:
+    def broken(signature, device):
+        raise FusionError("compiling failed:\nconv_igemm.cuh(56): static assertion failed")
+
+    monkeypatch.setattr(compiled, "prepare_fused", broken)
+    plan, _ = SMALL.build()
+    with caplog.at_level("DEBUG", logger="jaxfuse"):
+        plan.compile(solver="auto")
+    assert plan.solver == "xla"
+    assert "static assertion failed" in plan.kernel_info["failed"]["fused"]
+    assert "not available" in caplog.text
+    run_case(SMALL, jax.devices("cpu")[0], solver="auto")  # runs, through XLA
+    with pytest.raises(FusionError, match="static assertion"):
+        SMALL.build()[0].compile(solver="fused")
+
+
+def test_a_kernel_that_disagrees_with_xla_is_dropped(monkeypatch) -> None:
+    real = find.fused_function
+
+    def wrong(signature):
+        run = real(signature)
+        return lambda *operands: run(*operands) * 1.5
+
+    monkeypatch.setattr(find, "fused_function", wrong)
+    plan, _ = SMALL.build()
+    plan.compile(solver="auto")
+    assert plan.solver == "xla"
+    assert "disagrees with XLA" in plan.kernel_info["failed"]["fused"]
+
+
+def test_a_candidate_that_fails_to_run_is_dropped(monkeypatch) -> None:
+    def failing(signature):
+        def run(*operands):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return run
+
+    monkeypatch.setattr(find, "xla_function", failing)
+    plan, _ = SMALL.build()
+    plan.compile(solver="auto")
+    assert plan.solver == "cpu"
+    assert "RESOURCE_EXHAUSTED" in plan.kernel_info["failed"]["xla"]
+
+
+def test_compiling_inside_a_trace_measures_outside_it() -> None:
+    """Plans compile while the caller's function is traced (jaxfuse.fuse, the functional
+    API): the measurement must run real computations, not stage them into the trace."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 10, 10)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((16, 8, 3, 3)), jnp.float32)
+    b = jnp.ones(16)
+
+    @jax.jit
+    def f(x, w, b):
+        fn = jf.fuse(lambda x, w, b: jax.nn.relu(
+            jax.lax.conv_general_dilated(x, w, (1, 1), "SAME") + b[None, :, None, None]),
+            solver="auto")
+        return fn(x, w, b)
+
+    before = find.stats()["measured"]
+    out = f(x, w, b)
+    assert find.stats()["measured"] == before + 1
+    ref = jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                                   precision="highest") + 1.0)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fuse_leaves_chains_xla_runs_faster_as_they_were() -> None:
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 10, 10, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 3, 8, 16)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(16), jnp.float32)
+
+    def block(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b)
+
+    plain = jax.make_jaxpr(block)(x, w, b)
+    to_xla = jf.fuse(block, solver="xla")
+    assert str(jax.make_jaxpr(to_xla)(x, w, b)) == str(plain)  # the program itself, untouched
+    np.testing.assert_array_equal(to_xla(x, w, b), block(x, w, b))
+    report = jf.fusion_report(to_xla, x, w, b)
+    assert len(report.fused) == 0 and len(report.to_xla) == 1 and report.fused_calls == 0
+    assert "1 left to XLA" in report.summary()
+
+    fused = jf.fuse(block, solver="fused")
+    report = jf.fusion_report(fused, x, w, b)
+    assert len(report.fused) == 1 and report.fused_calls == 1
+    assert report.fused[0].solver == "cpu"
+
+    report = jf.fusion_report(jf.fuse(block, solver="auto"), x, w, b)
+    group = (report.fused or report.to_xla)[0]
+    assert dict(group.times_us).keys() == {"fused", "xla"}
+    assert "measured chains:" in report.summary()
+    assert len(report.fused) + len(report.to_xla) == 1
+
+
+def test_an_empty_output_is_not_measured() -> None:
+    case = Case(ops="CBA", n=0)
+    plan, _ = case.build()
+    plan.compile(solver="auto")
+    assert plan.kernel_info["solver"] == "cpu"
+    assert "output is empty" in plan.kernel_info["failed"]["xla"]
+
+
+def test_decisions_are_read_back_safely() -> None:
+    good = find.Decision("xla", (("fused", 3.0), ("xla", 2.0)), (("fused", "why"),))
+    back = find.Decision.from_json(good.to_json())
+    assert back is not None and back.solver == "xla" and back.origin == "disk cache"
+    assert back.times_us == good.times_us and back.failures == good.failures
+    for bad in (b"", b"{", b"[]", b'{"solver": "rm -rf"}',
+                json.dumps({"solver": "fused", "times_us": [], "failures": {}}).encode(),
+                b"\xff\xfe", json.dumps({"solver": "xla", "times_us": {"a": "x"},
+                                         "failures": {}}).encode()):
+        assert find.Decision.from_json(bad) is None, bad
+
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from cases import Case
+    import jaxfuse as jf
+    from jaxfuse import find
+    plan, _ = Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", n=2, c=8,
+                   h=10, w=10, k=16).build()
+    plan.compile(solver="auto")
+    print(json.dumps({"info": plan.kernel_info, "stats": find.stats()}))
+""")
+
+
+def _child(cache: str, flags: str = "") -> dict:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": cache, "XLA_FLAGS": flags,
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-P", "-c", _CHILD, os.path.dirname(__file__)],
+                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_decisions_persist_on_disk_per_environment(tmp_path) -> None:
+    cache = str(tmp_path / "shared")
+    first = _child(cache)
+    assert first["info"]["decided"] == "measured" and first["stats"]["measured"] == 1
+    second = _child(cache)  # a new process: nothing measured, the same choice
+    assert second["info"]["decided"] == "disk cache" and second["stats"]["measured"] == 0
+    assert second["info"]["solver"] == first["info"]["solver"]
+    assert second["info"]["candidates_us"] == first["info"]["candidates_us"]
+    other = _child(cache, flags="--xla_cpu_enable_fast_math=false")  # another XLA: measure
+    assert other["info"]["decided"] == "measured"
+    memory_only = _child("")
+    assert memory_only["info"]["decided"] == "measured"
+
+
+def test_the_solver_mode_is_part_of_the_memo() -> None:
+    plan, _ = SMALL.build()
+    assert plan.compile(solver="xla").solver == "xla"
+    assert plan.compile(solver="fused").solver == "cpu"
+    assert plan.compile(solver="xla").solver == "xla"
+    assert compiled.cache_info()["size"] == 2
+
+
+def test_modes() -> None:
+    assert solvers.solver_mode("AUTO") == "auto"
+    assert set(solvers.MODES) == {"auto", "fused", "xla"}
