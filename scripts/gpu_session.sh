@@ -1,57 +1,82 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, run the GPU tests, benchmark, print short tables last.
-# Usage (device tool): bash scripts/gpu_session.sh [tests|bench|e2e|probe|full]...
-# Logs, JSON and plots go under $OUT.
+# One call on the GPU machine: build (or reuse a carried build), then the sections asked for,
+# each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
+#
+#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models probe
+#
+# Knobs (environment): TESTS_CAP, FINAL_CAP, LAYERS_CAP, MODELS_CAP (seconds);
+# LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODELS, MODEL_BATCH, MODEL_DTYPES.
+#
+# Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
+# as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
+# is unchanged (its tree hash is stored beside it), so kernel edits always rebuild.
 set -uo pipefail
-modes=" ${*:-full} "
-has() { [[ $modes == *" $1 "* || $modes == *" full "* ]]; }
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export JAXFUSE_CACHE_DIR="/tmp/jaxfuse-cache-$$"; rm -rf "$JAXFUSE_CACHE_DIR"
+export JAXFUSE_CACHE_DIR="/tmp/jaxfuse-cache"; rm -rf "$JAXFUSE_CACHE_DIR"
 py=python3
+sections=" $* "
+has() { [[ $sections == *" $1 "* ]]; }
 
 echo "== build"
 start=$(date +%s)
-$py -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+csrc_hash=$(git rev-parse HEAD:csrc 2>/dev/null || echo none)
+if [[ -n $(git status --porcelain csrc 2>/dev/null) ]]; then csrc_hash="dirty-$(date +%s)"; fi
+prebuilt=$(ls .prebuilt/_jaxfuse_ext*.so 2>/dev/null | head -1)
+if [[ -n $prebuilt && "$(cat .prebuilt/csrc_hash 2>/dev/null)" == "$csrc_hash" ]]; then
+  cp "$prebuilt" jaxfuse/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "reused the carried build of csrc $csrc_hash"
+else
+  $py -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  so=$($py -c "import jaxfuse._jaxfuse_ext as m; print(m.__file__)")
+  cp "$so" "$OUT/" && echo "$csrc_hash" > "$OUT/csrc_hash"
+  echo "built in $(( $(date +%s) - start )) s"
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-$py -m jaxfuse info | head -12
+$py -m jaxfuse info | head -8
 
-if [[ $modes == *" probe "* ]]; then
+if has probe; then
   echo "== wgmma probe"; $py scripts/wgmma_probe.py 2>&1 | tail -12
 fi
 if has tests; then
   echo "== GPU tests"
   start=$(date +%s)
   # Autotuning is exercised by its own tests (and every variant by a forced-variant test).
-  JAXFUSE_AUTOTUNE=0 $py -m pytest tests -m gpu -q -p no:cacheprovider --durations=5 \
-    > "$OUT/tests.log" 2>&1
-  echo "pytest exit $? in $(( $(date +%s) - start )) s"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
+  JAXFUSE_AUTOTUNE=0 timeout "${TESTS_CAP:-240}" $py -m pytest tests -m gpu -q \
+    -p no:cacheprovider -n 4 --durations=5 > "$OUT/tests.log" 2>&1
+  echo "pytest exit $? in $(( $(date +%s) - start )) s"
+  grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
-if [[ $modes == *" final "* ]]; then
+if has final; then
   # The last check of a session: the whole GPU suite, four pytest workers sharing the GPU (kernel
   # compilation is CPU-bound), under a hard time cap.
   echo "== final GPU tests ($(nvidia-smi -L | wc -l) GPUs)"
   start=$(date +%s)
-  JAXFUSE_AUTOTUNE=0 timeout ${FINAL_CAP:-400} $py -m pytest -m gpu -q -p no:cacheprovider \
-    -n ${FINAL_WORKERS:-4} --durations=8 tests > "$OUT/final_tests.log" 2>&1
+  JAXFUSE_AUTOTUNE=0 timeout "${FINAL_CAP:-400}" $py -m pytest -m gpu -q -p no:cacheprovider \
+    -n "${FINAL_WORKERS:-4}" --durations=8 tests > "$OUT/final_tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error|Timeout" "$OUT/final_tests.log" | tail -25
 fi
-if has bench; then
-  echo "== layer benchmarks"
-  $py -m jaxfuse.bench --suite resnet50 na mobilenet --batch 1 64 --dtype float16 \
-    --layout NHWC --json "$OUT/bench_f16_nhwc.json" --plot "$OUT/bench_f16_nhwc.png" \
-    --no-progress > "$OUT/bench.log" 2>&1
-  echo "bench exit $?"; tail -40 "$OUT/bench.log"
+if has layers; then
+  echo "== layer benchmarks (forced kernel and auto against XLA)"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "${LAYERS_CAP:-300}" $py -m jaxfuse.bench --suite ${LAYER_SUITES:-resnet50 na} \
+    --batch ${LAYER_BATCH:-1 64} --dtype ${LAYER_DTYPES:-bfloat16} \
+    --layout ${LAYER_LAYOUTS:-NHWC} --repeats 10 --json "$OUT/layers.json" \
+    --plot "$OUT/layers.png" --no-progress > "$OUT/layers.log" 2>&1
+  echo "bench exit $? in $(( $(date +%s) - start )) s"
+  grep -E "^geomean" "$OUT/layers.log"
 fi
-if has e2e; then
-  echo "== compile time and host overhead"
-  $py -m jaxfuse.bench.compile_time 2>&1 | tail -8
-  echo "== end to end: Flax ResNet-50"
-  $py -m jaxfuse.bench.end_to_end --model resnet50 --batch 1 8 64 --dtype float16 \
-    --json "$OUT/e2e.json" > "$OUT/e2e.log" 2>&1
-  echo "e2e exit $?"; tail -8 "$OUT/e2e.log"
+if has models; then
+  echo "== end to end: Flax models, plain jit vs jit(fuse(apply)) auto and forced"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "${MODELS_CAP:-300}" $py -m jaxfuse.bench.end_to_end --model ${MODELS:-resnet50} \
+    --batch ${MODEL_BATCH:-1 64} --dtype ${MODEL_DTYPES:-bfloat16} \
+    --json "$OUT/models.json" > "$OUT/models.log" 2>&1
+  echo "e2e exit $? in $(( $(date +%s) - start )) s"
+  grep -vE "^\{" "$OUT/models.log" | tail -30
 fi

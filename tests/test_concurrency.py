@@ -68,7 +68,8 @@ def slow_compiler(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     record = {"calls": [], "running": 0, "most": 0, "fail": set()}
     lock = threading.Lock()
 
-    def fake(signature: jf.PlanSignature, platform: str, device: Any) -> compiled.CompiledPlan:
+    def fake(signature: jf.PlanSignature, platform: str, device: Any,
+             mode: str) -> compiled.CompiledPlan:
         with lock:
             record["calls"].append(signature)
             record["running"] += 1

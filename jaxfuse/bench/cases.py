@@ -27,7 +27,11 @@ class BenchCase:
     n: int
     dtype: str
     layout: str
-    ops: str  # "CBNA", "CBA", "NA", ...
+    chain: str  # "CBNA", "CBA", "NA", ... (the layer may end it before the activation)
+
+    @property
+    def ops(self) -> str:
+        return self.chain if self.layer.activation else self.chain.replace("A", "")
 
     @property
     def filter_layout(self) -> str:
@@ -44,7 +48,7 @@ class BenchCase:
     def label(self) -> str:
         return f"{self.layer.name} N={self.n} {self.dtype} {self.layout} {self.ops}"
 
-    def plan(self, device: Any) -> tuple[FusionPlan, dict[str, Any]]:
+    def plan(self, device: Any, solver: str = "fused") -> tuple[FusionPlan, dict[str, Any]]:
         L = self.layer
         plan = FusionPlan(TensorDesc(self.shape(L.c, L.hw), self.dtype, self.layout))
         ops: dict[str, Any] = {}
@@ -58,8 +62,8 @@ class BenchCase:
             elif letter == "N":
                 ops["N"] = plan.add_batchnorm_inference("spatial")
             elif letter == "A":
-                ops["A"] = plan.add_activation_forward("relu")
-        plan.compile(device)
+                ops["A"] = plan.add_activation_forward(L.activation)
+        plan.compile(device, solver=solver)
         return plan, ops
 
     def arg_sets(self, count: int, device: Any, seed: int = 0) -> list[tuple[Any, ...]]:
@@ -117,6 +121,6 @@ class BenchCase:
                     inv = per_channel(scale * lax.rsqrt(var + EPSILON))
                     y = (y - per_channel(mean)) * inv + per_channel(shift)
                 elif letter == "A":
-                    y = jax.nn.relu(y)
+                    y = jax.nn.relu6(y) if L.activation == "clipped_relu" else jax.nn.relu(y)
             return y
         return run

@@ -4,7 +4,9 @@ with every conv chain fused by :func:`jaxfuse.fuse`, against the same model unde
 
 Time per forward: wall time of several calls issued back to back (dispatch overlaps the device
 work, as in a serving loop), median of repeats; on GPUs also the kernels' device time from a
-profiler trace. The outputs are compared too.
+profiler trace. The fused program runs in each solver mode asked for: ``auto`` (what users get:
+per chain, the faster of jaxfuse's kernel and XLA's by jaxfuse's own measurement) and ``fused``
+(jaxfuse's kernels forced: what they achieve). The outputs are compared too.
 
     python -m jaxfuse.bench.end_to_end --model resnet50 --batch 1 8 64 --dtype float16
 """
@@ -42,36 +44,59 @@ def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: in
     return statistics.median(times)
 
 
-def run(model_name: str, batch: int, dtype: str, size: int, device: Any) -> dict[str, Any]:
+def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
+        modes: tuple[str, ...] = ("auto", "fused")) -> dict[str, Any]:
+    """One model, batch and dtype: plain ``jax.jit`` against ``jax.jit(fuse(apply))`` in each
+    solver mode of `modes` ("auto": what users get; "fused": jaxfuse's kernels forced)."""
     model = MODELS[model_name](dtype=jnp.dtype(dtype))
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((batch, size, size, 3)).astype(dtype), device)
     variables = jax.device_put(random_variables(model, x), device)
-    report = fusion_report(model.apply, variables, x)
     plain = jax.jit(model.apply)
-    fused = jax.jit(fuse(model.apply))
-    start = time.perf_counter()
-    y_fused = jax.block_until_ready(fused(variables, x))  # traces, compiles every plan
-    first_call = time.perf_counter() - start
-    y_plain = plain(variables, x)
-    a, b = np.asarray(y_fused, np.float64), np.asarray(y_plain, np.float64)
-    row = {
-        "model": model_name, "batch": batch, "dtype": dtype, "image": size,
-        "fused_groups": len(report.fused), "left_alone": len(report.left_alone),
-        "first_fused_call_s": first_call,
-        "rel_diff_vs_plain": float(np.linalg.norm(a - b) / np.linalg.norm(b)),
-        "plain_ms": forward_seconds(plain, (variables, x)) * 1e3,
-        "fused_ms": forward_seconds(fused, (variables, x)) * 1e3,
-    }
-    row["speedup"] = row["plain_ms"] / row["fused_ms"]
+    y_plain = np.asarray(plain(variables, x), np.float64)
+    row: dict[str, Any] = {"model": model_name, "batch": batch, "dtype": dtype, "image": size,
+                           "plain_ms": forward_seconds(plain, (variables, x)) * 1e3}
+    programs = {"plain": plain}
+    for mode in modes:
+        try:
+            report = fusion_report(fuse(model.apply, solver=mode), variables, x)
+            fused = jax.jit(fuse(model.apply, solver=mode))
+            start = time.perf_counter()
+            y = np.asarray(fused(variables, x), np.float64)  # traces, compiles every plan
+            row[f"{mode}_first_call_s"] = time.perf_counter() - start
+        except Exception as err:
+            row[f"{mode}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+            continue
+        programs[mode] = fused
+        row.update({
+            f"{mode}_fused_groups": len(report.fused), f"{mode}_to_xla": len(report.to_xla),
+            f"{mode}_left_alone": len(report.left_alone),
+            f"{mode}_rel_diff_vs_plain": float(np.linalg.norm(y - y_plain) /
+                                               np.linalg.norm(y_plain)),
+            f"{mode}_ms": forward_seconds(fused, (variables, x)) * 1e3,
+        })
+        row[f"{mode}_speedup"] = row["plain_ms"] / row[f"{mode}_ms"]
     if device.platform == "gpu":
         sets = [(variables, x)]
-        pd = device_time_per_op(jax.jit(lambda s: [plain(*a) for a in s]), sets)
-        fd = device_time_per_op(jax.jit(lambda s: [fused(*a) for a in s]), sets)
-        if pd and fd:
-            row.update(plain_device_ms=pd * 1e3, fused_device_ms=fd * 1e3,
-                       speedup_device=pd / fd)
+        for name, program in programs.items():
+            d = device_time_per_op(jax.jit(lambda s, p=program: [p(*a) for a in s]), sets)
+            if d:
+                row[f"{name}_device_ms"] = d * 1e3
     return row
+
+
+def _line(r: dict[str, Any]) -> str:
+    nan = float("nan")
+    cells = [f"{r['model']:<10} {r['batch']:>4} {r['dtype']:<9} {r['plain_ms']:9.2f}"]
+    for mode in ("auto", "fused"):
+        if f"{mode}_error" in r:
+            cells.append(f"{'ERROR':>9} {'':>7}")
+        else:
+            cells.append(f"{r.get(f'{mode}_ms', nan):9.2f} {r.get(f'{mode}_speedup', nan):7.2f}")
+    cells.append(" ".join(f"{r.get(f'{k}_device_ms', nan):9.2f}"
+                          for k in ("plain", "auto", "fused")))
+    cells.append(f"{r.get('auto_fused_groups', 0):>4}/{r.get('auto_to_xla', 0):<4}")
+    return " ".join(cells)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
     parser.add_argument("--image", type=int, default=224)
+    parser.add_argument("--solver", nargs="+", default=["auto", "fused"],
+                        choices=["auto", "fused", "xla"],
+                        help="solver modes of the fused program to time against plain jit")
     parser.add_argument("--platform", default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -89,22 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model:
         for dtype in args.dtype:
             for batch in args.batch:
-                rows.append(run(name, batch, dtype, args.image, device))
-                r = rows[-1]
-                print(f"{name} N={batch} {dtype}: plain {r['plain_ms']:.2f} ms, fused "
-                      f"{r['fused_ms']:.2f} ms ({r['speedup']:.2f}x); device "
-                      f"{r.get('plain_device_ms', float('nan')):.2f} vs "
-                      f"{r.get('fused_device_ms', float('nan')):.2f} ms; "
-                      f"{r['fused_groups']} chains fused, {r['left_alone']} left; first call "
-                      f"{r['first_fused_call_s']:.1f} s; diff {r['rel_diff_vs_plain']:.1e}",
-                      file=sys.stderr)
-    print(f"{'model':<10} {'N':>3} {'dtype':<9} {'plain ms':>9} {'fused ms':>9} {'speedup':>8} "
-          f"{'dev plain':>9} {'dev fused':>9} {'dev x':>6}")
+                rows.append(run(name, batch, dtype, args.image, device, tuple(args.solver)))
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    print(f"device: {device.device_kind}")
+    print(f"{'model':<10} {'N':>4} {'dtype':<9} {'plain ms':>9} {'auto ms':>9} {'auto x':>7} "
+          f"{'fused ms':>9} {'fused x':>7} {'dev plain':>9} {'dev auto':>9} {'dev fused':>9} "
+          f"fused/xla chains")
     for r in rows:
-        print(f"{r['model']:<10} {r['batch']:>3} {r['dtype']:<9} {r['plain_ms']:9.2f} "
-              f"{r['fused_ms']:9.2f} {r['speedup']:8.2f} {r.get('plain_device_ms', 0):9.2f} "
-              f"{r.get('fused_device_ms', 0):9.2f} {r.get('speedup_device', 0):6.2f}")
+        print(_line(r))
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__,
                                          "rows": rows}, indent=1))
     return 0

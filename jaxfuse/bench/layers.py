@@ -19,6 +19,7 @@ class Layer:
     stride: int = 1
     pad: int = 0
     groups: int = 1
+    activation: str | None = "relu"  # None: the chain ends before the activation
 
     @property
     def has_conv(self) -> bool:
@@ -63,6 +64,30 @@ MOBILENET = [
     Layer("mb_dw_7_1024", 1024, 1024, 7, 3, 1, 1, 1024),
 ]
 
+# MobileNetV2 (224x224): the stem, the depthwise 3x3 layers and the 1x1 expansions (relu6) and
+# projections (no activation) at each resolution, with its channel counts (16, 24, 32, 64, 96,
+# 144, 160, 192, 320, 384, 576, 960, 1280).
+_RELU6 = "clipped_relu"
+MOBILENETV2 = [
+    Layer("mb2_stem_3x3s2_32", 3, 32, 224, 3, 2, 1, activation=_RELU6),
+    Layer("mb2_dw_112_32", 32, 32, 112, 3, 1, 1, 32, _RELU6),
+    Layer("mb2_pw_112_32_16", 32, 16, 112, activation=None),
+    Layer("mb2_pw_112_16_96", 16, 96, 112, activation=_RELU6),
+    Layer("mb2_dw_112_96s2", 96, 96, 112, 3, 2, 1, 96, _RELU6),
+    Layer("mb2_pw_56_96_24", 96, 24, 56, activation=None),
+    Layer("mb2_pw_56_24_144", 24, 144, 56, activation=_RELU6),
+    Layer("mb2_dw_56_144", 144, 144, 56, 3, 1, 1, 144, _RELU6),
+    Layer("mb2_pw_28_144_32", 144, 32, 28, activation=None),
+    Layer("mb2_pw_28_32_192", 32, 192, 28, activation=_RELU6),
+    Layer("mb2_dw_28_192", 192, 192, 28, 3, 1, 1, 192, _RELU6),
+    Layer("mb2_pw_14_384_64", 384, 64, 14, activation=None),
+    Layer("mb2_dw_14_384", 384, 384, 14, 3, 1, 1, 384, _RELU6),
+    Layer("mb2_pw_14_96_576", 96, 576, 14, activation=_RELU6),
+    Layer("mb2_pw_7_160_960", 160, 960, 7, activation=_RELU6),
+    Layer("mb2_dw_7_960", 960, 960, 7, 3, 1, 1, 960, _RELU6),
+    Layer("mb2_pw_7_320_1280", 320, 1280, 7, activation=_RELU6),
+]
+
 # Batch norm + activation without a convolution (MIOpen's NA fusion).
 NA = [
     Layer("NA_C64_H112", 64, 64, 112, 0),
@@ -70,4 +95,4 @@ NA = [
     Layer("NA_C1024_H14", 1024, 1024, 14, 0),
 ]
 
-SUITES = {"resnet50": RESNET50, "mobilenet": MOBILENET, "na": NA}
+SUITES = {"resnet50": RESNET50, "mobilenet": MOBILENET, "mobilenetv2": MOBILENETV2, "na": NA}
