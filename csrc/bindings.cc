@@ -15,6 +15,7 @@
 #include "gpu/backend.h"
 #include "gpu/embedded_sources.h"
 #include "gpu/kernel_cache.h"
+#include "gpu/stopwatch.h"
 
 namespace nb = nanobind;
 using jaxfuse::gpu::Platform;
@@ -66,6 +67,17 @@ NB_MODULE(_jaxfuse_ext, m) {
     handlers["ROCM"] = rocm;
     return handlers;
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
+
+  m.def("stopwatch_handler", [] { return Capsule(jaxfuse::kStopwatchGpu); },
+        "The 'jaxfuse_stopwatch' custom call's handler (CUDA and ROCM).");
+  m.def("stopwatch_new", [](std::string_view platform, int ordinal) {
+    return jaxfuse::gpu::NewStopwatch(ParsePlatform(platform), ordinal);
+  }, nb::arg("platform"), nb::arg("ordinal"), "A new device stopwatch's id.");
+  m.def("stopwatch_ms", [](int64_t id) {
+    nb::gil_scoped_release release;  // waits for the device
+    return jaxfuse::gpu::ReadStopwatch(id);
+  }, nb::arg("id"), "Milliseconds between the stopwatch's last marks (waits for the end).");
+  m.def("stopwatch_delete", &jaxfuse::gpu::DeleteStopwatch, nb::arg("id"));
 
   m.def("cpu_prepare", [](std::string_view plan) {
     // Parses and validates once; raises ValueError if malformed or refused by the CPU backend.

@@ -9,9 +9,10 @@ import jax
 
 from . import runtime
 
-__all__ = ["FFI_TARGET", "extension", "register_targets"]
+__all__ = ["FFI_TARGET", "STOPWATCH_TARGET", "extension", "register_targets"]
 
 FFI_TARGET = "jaxfuse_fused_chain"
+STOPWATCH_TARGET = "jaxfuse_stopwatch"  # marks device time in timing programs (measure.py)
 
 
 @functools.cache
@@ -34,3 +35,6 @@ def register_targets() -> None:
     deserialized ``jax.export`` program finds them too)."""
     for platform, handler in extension().ffi_handlers().items():
         jax.ffi.register_ffi_target(FFI_TARGET, handler, platform=platform)
+    for platform in ("CUDA", "ROCM"):
+        jax.ffi.register_ffi_target(STOPWATCH_TARGET, extension().stopwatch_handler(),
+                                    platform=platform)

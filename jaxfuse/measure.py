@@ -1,13 +1,12 @@
 """Timing a plan's candidate solvers on a device, in one harness for all of them.
 
 Every candidate is a traceable function of the primitive's operands. Each is compiled into one
-``jax.jit`` program that runs it on K distinct random input sets (straight-line code: no input
-stays cached between the K runs, and dispatch is paid once per K runs), then called many times
-back to back (on CPUs, one after another); the time per run is the median over rounds of
-(round time / calls / K). All
-candidates take the same operands, so what the harness itself costs is the same for each. The
-runtime scalars (epsilon, activation parameters) are constants of the program, as they are
-when a plan runs with concrete scalars, so XLA may fold them as it would there.
+``jax.jit`` program that runs it on K distinct random input sets (straight-line code, so the
+K runs follow each other as a model's layers do), and the program is run several times; the
+time per run is the median over those of (program time / K). Program time is device time
+between two stopwatch marks on GPUs, wall time on CPUs. All candidates take the same
+operands. The runtime scalars (epsilon, activation parameters) are constants of the program,
+as they are when a plan runs with concrete scalars, so XLA may fold them as it would there.
 
 Measurements hold the extension's device-timing lock (shared with the kernel autotuner), so
 plans compiled concurrently never time each other's work; compiling the programs happens under
@@ -27,18 +26,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from ._extension import extension
+from ._extension import STOPWATCH_TARGET, extension
+from .runtime import gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "relative_error",
            "set_count"]
 
-# What the K input sets may take, in bytes, and how long one timed round should be.
+# What the K input sets may take, in bytes; how many timed runs (at least, and at most while
+# the time budget lasts).
 _SET_BUDGET = {"cpu": 64 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
-_ROUND_SECONDS = {"cpu": 0.02, "gpu": 0.01}
-_ROUNDS = 5
+_MIN_RUNS, _MAX_RUNS = 5, 20
+_BUDGET_SECONDS = {"cpu": 0.1, "gpu": 0.05}
 
 # The runtime scalars candidates are timed with: meaningful for every activation mode.
 _SCALARS = {"conv_alpha": 1.0, "bn_epsilon": 1e-3, "act_alpha": 0.1, "act_beta": 1.0,
@@ -102,46 +104,84 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
 
 @dataclasses.dataclass
 class Harness:
-    """One candidate compiled into the timing program, for one list of input sets."""
+    """One candidate compiled into the timing program, for one list of input sets.
 
-    run_all: Any  # the compiled program: input sets -> one output per set
+    On GPUs the program marks its start and end with a device stopwatch (the
+    ``jaxfuse_stopwatch`` custom call), so a run is timed on the device: host dispatch and
+    launch latency, which would dominate a few-microsecond kernel, are not counted. On CPUs
+    the wall time of awaited calls is the measure.
+    """
+
+    run_all: Any  # the compiled program: input sets -> (one output per set, stopwatch token)
     sets: Sequence[tuple[jax.Array, ...]]
     platform: str
+    stopwatch: int | None = None
 
     @classmethod
     def compile(cls, fn: Callable[..., jax.Array],
                 sets: Sequence[tuple[jax.Array, ...]], device: Any) -> Harness:
         """Compiles ``[fn(*s, TIMING_SCALARS) for s in sets]`` as one program (raises if `fn`
         cannot)."""
-        program = jax.jit(lambda many: [fn(*s, TIMING_SCALARS) for s in many])
-        return cls(program.lower(list(sets)).compile(), sets, _platform_kind(device))
+        platform = _platform_kind(device)
+        stopwatch = _new_stopwatch(device) if platform == "gpu" else None
+
+        def program(many: list[tuple[jax.Array, ...]]) -> Any:
+            if stopwatch is None:
+                return [fn(*s, TIMING_SCALARS) for s in many], None
+            start = _mark(stopwatch, 0)
+            # Every candidate op waits for the start mark: nothing of theirs runs before it.
+            start, many = lax.optimization_barrier((start, many))
+            outs = [fn(*s, TIMING_SCALARS) for s in many]
+            return outs, _mark(stopwatch, 1, start, *outs)
+
+        try:
+            compiled = jax.jit(program).lower(list(sets)).compile()
+        except Exception:
+            _delete_stopwatch(stopwatch)
+            raise
+        return cls(compiled, sets, platform, stopwatch)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # also at interpreter exit
+            _delete_stopwatch(self.stopwatch)
 
     def first_output(self) -> jax.Array:
         """The candidate's result on the first input set (to check candidates agree)."""
-        return self.run_all(list(self.sets))[0]
+        return self.run_all(list(self.sets))[0][0]
 
     def seconds_per_run(self) -> float:
-        """Median seconds per run of the candidate (see the module docstring)."""
+        """Median seconds per run of the candidate (see the class docstring)."""
         sets = list(self.sets)
         jax.block_until_ready(self.run_all(sets))  # first run: allocations, module loads
-        start = time.perf_counter()
-        jax.block_until_ready(self.run_all(sets))
-        once = max(time.perf_counter() - start, 1e-7)
-        calls = int(min(64, max(1, math.ceil(_ROUND_SECONDS[self.platform] / once))))
-        # On a GPU, calls go back to back (the stream runs them in order and never drains);
-        # the CPU client may run independent calls at once, so there each one is awaited.
-        overlap = self.platform == "gpu"
-        rounds = []
-        for _ in range(_ROUNDS):
+        rounds: list[float] = []
+        deadline = time.perf_counter() + _BUDGET_SECONDS[self.platform]
+        while len(rounds) < _MIN_RUNS or (len(rounds) < _MAX_RUNS and
+                                          time.perf_counter() < deadline):
             start = time.perf_counter()
-            out = None
-            for _ in range(calls):
-                out = self.run_all(sets)
-                if not overlap:
-                    jax.block_until_ready(out)
-            jax.block_until_ready(out)
-            rounds.append((time.perf_counter() - start) / (calls * len(sets)))
+            jax.block_until_ready(self.run_all(sets))
+            seconds = time.perf_counter() - start
+            if self.stopwatch is not None:
+                seconds = extension().stopwatch_ms(self.stopwatch) * 1e-3
+            rounds.append(seconds / len(sets))
         return statistics.median(rounds)
+
+
+def _new_stopwatch(device: Any) -> int:
+    ordinal = getattr(device, "local_hardware_id", None)
+    return extension().stopwatch_new(gpu_platform(device), device.id if ordinal is None
+                                     else ordinal)
+
+
+def _delete_stopwatch(stopwatch: int | None) -> None:
+    if stopwatch is not None:
+        extension().stopwatch_delete(stopwatch)
+
+
+def _mark(stopwatch: int, mark: int, *after: jax.Array) -> jax.Array:
+    """The stopwatch's `mark` (0 start, 1 end), recorded once every array in `after` is."""
+    token = jax.ShapeDtypeStruct((1,), jnp.float32)
+    return jax.ffi.ffi_call(STOPWATCH_TARGET, token, has_side_effect=True)(
+        *after, stopwatch=np.int64(stopwatch), mark=np.int64(mark))
 
 
 def relative_error(a: jax.Array, b: jax.Array) -> float:

@@ -1,5 +1,6 @@
 // The FFI handler symbols the extension exports: the CPU handler, and per GPU platform an
-// initialize-stage handler (compile and load the kernel) and an execute-stage handler.
+// initialize-stage handler (compile and load the kernel) and an execute-stage handler; and the
+// stopwatch used to time candidate solvers.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -11,5 +12,7 @@ extern "C" XLA_FFI_Error* kFusedChainCudaInitialize(XLA_FFI_CallFrame* call_fram
 extern "C" XLA_FFI_Error* kFusedChainCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocmInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocm(XLA_FFI_CallFrame* call_frame);
+// The device stopwatch's mark (CUDA and ROCM alike: the platform is the stopwatch's).
+extern "C" XLA_FFI_Error* kStopwatchGpu(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace jaxfuse

@@ -397,6 +397,31 @@ void Driver::CopyToHost(int ordinal, void* dst, const void* src, size_t bytes) c
   Check(api_->copy_dtoh(dst, src, bytes), "copying from the device");
 }
 
+void* Driver::CreateEvent(int ordinal) const {
+  ContextScope scope(*this, ordinal);
+  Handle event = nullptr;
+  Check(api_->event_create(&event, 0), "creating an event");  // 0: timing enabled
+  return event;
+}
+
+void Driver::DestroyEvent(int ordinal, void* event) const {
+  if (event == nullptr) return;
+  ContextScope scope(*this, ordinal);
+  api_->event_destroy(event);
+}
+
+void Driver::RecordEvent(void* event, void* stream) const {
+  Check(api_->event_record(event, stream), "recording an event");
+}
+
+double Driver::ElapsedMs(int ordinal, void* start, void* end) const {
+  ContextScope scope(*this, ordinal);
+  Check(api_->event_synchronize(end), "waiting for an event");
+  float ms = 0;
+  Check(api_->event_elapsed(&ms, start, end), "reading an event");
+  return ms;
+}
+
 double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
                             const FusedParams& params, int repeats) const {
   ContextScope scope(*this, ordinal);

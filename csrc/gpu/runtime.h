@@ -72,6 +72,13 @@ class Driver {
   double TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
                       const FusedParams& params, int repeats) const;
 
+  // Timing events in the device's primary context (the one XLA uses), recorded on any stream.
+  void* CreateEvent(int ordinal) const;
+  void DestroyEvent(int ordinal, void* event) const;
+  void RecordEvent(void* event, void* stream) const;
+  // Milliseconds between two recorded events; waits for `end` to complete.
+  double ElapsedMs(int ordinal, void* start, void* end) const;
+
  private:
   explicit Driver(Platform platform);
   struct Api;
