@@ -29,6 +29,10 @@ from .ops import (
 __all__ = ["OperatorArgs"]
 
 
+_KINDS = {cls.letter: cls.kind for cls in (ConvForwardOp, BiasForwardOp, BatchNormInferenceOp,
+                                           SideInputAddOp, ActivationForwardOp)}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     plan_id: int
@@ -46,7 +50,11 @@ def _require(op: Any, cls: type[FusionOp], setter: str, adder: str) -> None:
 def _check_blend_beta(beta: Any, setter: str) -> None:
     # JAX results are fresh buffers, so there is no prior output to blend into.
     _check_scalar(f"{setter}: beta", beta)
-    if _is_concrete(beta) and float(np.asarray(beta)) != 0.0:
+    if not _is_concrete(beta):  # its value is unknown here, so it could not be checked
+        raise TypeError(f"{setter}: beta is a traced value (under jit, vmap or grad); it must "
+                        "be the concrete number 0 (JAX outputs are fresh buffers, so there is "
+                        "no prior output to blend into): leave it out or pass 0")
+    if float(np.asarray(beta)) != 0.0:
         raise ValueError(f"{setter}: beta={beta} is not supported (JAX outputs are fresh "
                          "buffers, so the blend factor beta must be 0)")
 
@@ -112,7 +120,11 @@ class OperatorArgs:
     # ----- setters, one per operator kind -----------------------------------------------------
     def set_conv_forward(self, op: ConvForwardOp, w: Any, alpha: Any = 1.0,
                          beta: Any = 0.0) -> OperatorArgs:
-        """Sets the filters `w` (in the filter descriptor's layout) and the scale `alpha`."""
+        """Sets the filters `w` (in the filter descriptor's layout) and the scale `alpha`.
+
+        `beta` (MIOpen's output blend factor) must be the concrete number 0; anything else,
+        a traced value included, is refused.
+        """
         _require(op, ConvForwardOp, "set_conv_forward", "add_conv_forward")
         _check_blend_beta(beta, "set_conv_forward")
         _check_array("set_conv_forward: w", w, op.filter.shape, op.filter.dtype)
@@ -174,6 +186,15 @@ class OperatorArgs:
         if entry is None or entry.plan_id != op.plan_id or entry.letter != op.letter:
             return None
         return entry
+
+    def foreign_entry(self, op: FusionOp) -> str | None:
+        """Whose handle set the arguments in `op`'s place when they are not `op`'s (e.g.
+        "another plan's activation handle"); None when they are `op`'s or nothing is set."""
+        entry = self._entries.get(op.index)
+        if entry is None or self.entry(op) is not None:
+            return None
+        whose = "another plan's" if entry.plan_id != op.plan_id else "a"
+        return f"{whose} {_KINDS[entry.letter]} handle"
 
     def __repr__(self) -> str:
         kinds = ", ".join(f"{i}:{e.letter}" for i, e in sorted(self._entries.items()))

@@ -179,11 +179,14 @@ class FusionPlan:
                 setter = {"C": "set_conv_forward", "B": "set_bias_forward",
                           "N": "set_batchnorm_inference", "S": "set_side_input_add",
                           "A": "set_activation_forward"}[op.letter]
+                missing = f"no arguments for the {op.kind} operator (operator {op.index})"
+                if foreign := args.foreign_entry(op):  # a mistake, even for an activation
+                    raise ValueError(f"{missing}: the arguments in its place were set with "
+                                     f"{foreign}; call args.{setter}() with this plan's handle")
                 if isinstance(op, ActivationForwardOp):
                     entry = OperatorArgs().set_activation_forward(op).entry(op)
                 else:
-                    raise ValueError(f"no arguments for the {op.kind} operator (operator "
-                                     f"{op.index}); call args.{setter}() first")
+                    raise ValueError(f"{missing}; call args.{setter}() first")
             params += list(entry.arrays)
             scalars.update(entry.scalars)
         return params, scalars

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from cases import Case
+from jax import lax
 
 import jaxfuse as jf
 
@@ -161,6 +163,70 @@ def test_args_from_another_plan_are_rejected() -> None:
     args = jf.OperatorArgs().set_conv_forward(conv_a, np.ones((6, 4, 3, 3), np.float32))
     with pytest.raises(ValueError, match="no arguments for the convolution"):
         plan_b.execute(np.ones((1, 4, 8, 8), np.float32), args)
+
+
+@pytest.mark.parametrize("kind", ["C", "B", "A"])
+def test_arguments_set_with_another_plans_handle_are_refused(kind: str) -> None:
+    # Only a missing activation entry takes the mode's defaults; another plan's entry in its
+    # place is a mistake, whatever the operator.
+    x = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    plans = []
+    for _ in range(2):
+        plan = _plan()
+        add = {"C": lambda p: p.add_conv_forward(jf.ConvDesc(padding=1), jf.TensorDesc(
+                   (4, 4, 3, 3), "float32")),
+               "B": lambda p: p.add_bias_forward(jf.TensorDesc((4,), "float32")),
+               "A": lambda p: p.add_activation_forward("clipped_relu")}[kind]
+        plans.append((plan, add(plan)))
+    (mine, _), (_, theirs) = plans
+    mine.compile()
+    args = jf.OperatorArgs()
+    if kind == "C":
+        args.set_conv_forward(theirs, np.ones((4, 4, 3, 3), np.float32))
+    elif kind == "B":
+        args.set_bias_forward(theirs, np.ones(4, np.float32))
+    else:
+        args.set_activation_forward(theirs, alpha=1.0)
+    setter = {"C": "set_conv_forward", "B": "set_bias_forward",
+              "A": "set_activation_forward"}[kind]
+    with pytest.raises(ValueError, match=rf"no arguments for the \w+ operator \(operator 0\): "
+                       rf"the arguments in its place were set with another plan's \w+ handle; "
+                       rf"call args\.{setter}\(\) with this plan's handle"):
+        mine.execute(x, args)
+
+
+def test_a_missing_activation_entry_takes_the_modes_defaults() -> None:
+    x = np.random.default_rng(1).uniform(-8, 8, (1, 4, 8, 8)).astype(np.float32)
+    plan = _plan()
+    plan.add_activation_forward("clipped_relu")
+    plan.compile()
+    np.testing.assert_array_equal(plan.execute(x, jf.OperatorArgs()), np.clip(x, 0, 6))
+
+
+def test_a_traced_conv_beta_is_refused() -> None:
+    # beta must be 0; under jit its value cannot be checked, so a traced beta is refused rather
+    # than silently dropped.
+    plan, conv = _conv_plan()
+    plan.compile()
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+
+    def run(beta):
+        return plan.execute(x, jf.OperatorArgs().set_conv_forward(conv, w, beta=beta))
+
+    for beta in (0.5, 0.0):
+        with pytest.raises(TypeError, match=r"beta is a traced value .* must be the concrete "
+                                             r"number 0"):
+            jax.jit(run)(np.float32(beta))
+    with pytest.raises(TypeError, match="beta is a traced value"):
+        jax.vmap(run)(np.zeros(2, np.float32))
+    with jax.enable_x64(True):
+        want = np.asarray(lax.conv_general_dilated(x.astype(np.float64), w.astype(np.float64),
+                                                   (1, 1), ((1, 1), (1, 1))))
+    got = jax.jit(lambda x: plan.execute(x, jf.OperatorArgs().set_conv_forward(
+        conv, w, beta=0.0)))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_malformed_signatures_are_rejected_by_the_extension() -> None:
