@@ -39,6 +39,7 @@ class _Entry:
     letter: str
     arrays: tuple[Any, ...]
     scalars: tuple[tuple[str, Any], ...]
+    op: FusionOp
 
 
 def _require(op: Any, cls: type[FusionOp], setter: str, adder: str) -> None:
@@ -176,7 +177,7 @@ class OperatorArgs:
 
     def _set(self, op: FusionOp, arrays: tuple[Any, ...],
              scalars: tuple[tuple[str, Any], ...]) -> OperatorArgs:
-        self._entries[op.index] = _Entry(op.plan_id, op.letter, arrays, scalars)
+        self._entries[op.index] = _Entry(op.plan_id, op.letter, arrays, scalars, op)
         return self
 
     # ----- reading back -----------------------------------------------------------------------
@@ -202,11 +203,13 @@ class OperatorArgs:
 
     # ----- pytree protocol --------------------------------------------------------------------
     def tree_flatten(self) -> tuple[list[Any], Any]:
+        # The structure names each operator and its plan's version now: a plan changed after
+        # jax.jit traced it gives a new structure, so jit traces again and execute() refuses.
         leaves: list[Any] = []
         structure = []
         for index, e in sorted(self._entries.items()):
             leaves += list(e.arrays) + [v for _, v in e.scalars]
-            structure.append((index, e.plan_id, e.letter, len(e.arrays),
+            structure.append((index, e.op, e.op.plan_version, len(e.arrays),
                               tuple(n for n, _ in e.scalars)))
         return leaves, tuple(structure)
 
@@ -214,8 +217,8 @@ class OperatorArgs:
     def tree_unflatten(cls, structure: Any, leaves: Any) -> OperatorArgs:
         args = cls()
         it = iter(leaves)
-        for index, plan_id, letter, n_arrays, names in structure:
+        for index, op, _, n_arrays, names in structure:
             arrays = tuple(next(it) for _ in range(n_arrays))
             scalars = tuple((n, next(it)) for n in names)
-            args._entries[index] = _Entry(plan_id, letter, arrays, scalars)
+            args._entries[index] = _Entry(op.plan_id, op.letter, arrays, scalars, op)
         return args

@@ -117,6 +117,53 @@ def test_execute_before_compile_and_after_change() -> None:
     assert plan.execute(x, args).shape == (1, 6, 8, 8)
 
 
+def _conv_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    with jax.enable_x64(True):
+        return np.asarray(lax.conv_general_dilated(x.astype(np.float64), w.astype(np.float64),
+                                                   (1, 1), ((1, 1), (1, 1))))
+
+
+def test_a_jitted_execute_refuses_a_plan_changed_after_tracing() -> None:
+    # The check in execute() runs when tracing; the plan's version in the arguments' pytree
+    # structure makes the cached trace miss once the plan changed.
+    plan, conv = _conv_plan()
+    plan.compile()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w)
+    f = jax.jit(plan.execute)
+    np.testing.assert_allclose(f(x, args), _conv_reference(x, w), rtol=1e-5, atol=1e-5)
+    plan.add_activation_forward("relu")
+    with pytest.raises(jf.FusionError, match="changed since compile"):
+        f(x, args)
+    plan.compile()
+    np.testing.assert_allclose(f(x, args), np.maximum(_conv_reference(x, w), 0), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_operator_args_pytree_names_the_plan_version() -> None:
+    plan, conv = _conv_plan()
+    act = plan.add_activation_forward("leaky_relu")
+    w = np.ones((6, 4, 3, 3), np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w, alpha=2.0).set_activation_forward(
+        act, alpha=0.3)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    rebuilt = jax.tree_util.tree_unflatten(tree, leaves)
+    assert jax.tree_util.tree_structure(rebuilt) == tree
+    assert rebuilt.entry(conv).arrays == (w,) and rebuilt.entry(act).arrays == ()
+    assert dict(rebuilt.entry(act).scalars)["act_alpha"] == 0.3
+    same = jf.OperatorArgs().set_conv_forward(conv, w).set_activation_forward(act)
+    assert jax.tree_util.tree_structure(same) == tree
+    plan.add_bias_forward(jf.TensorDesc((6,), "float32"))
+    changed = jax.tree_util.tree_structure(args)
+    assert changed != tree and changed.num_leaves == tree.num_leaves
+    assert conv.plan_version == plan.version == 3
+    del plan
+    assert conv.plan_version is None  # handles do not keep their plan alive
+    assert jax.tree_util.tree_structure(args) != changed
+
+
 def test_missing_and_wrong_arguments() -> None:
     plan, conv = _conv_plan()
     bias = plan.add_bias_forward(jf.TensorDesc((6,), "float32"))
