@@ -57,6 +57,17 @@ class FusionOp:
         plan = None if self.owner is None else self.owner()
         return None if plan is None else plan.version
 
+    # A handle is an identity: copies are the handle itself; pickling drops the weak reference
+    # (which cannot be pickled), so an unpickled handle has no plan_version.
+    def __copy__(self) -> FusionOp:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusionOp:
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "owner"}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index})"
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import jax
 import numpy as np
 import pytest
@@ -162,6 +165,22 @@ def test_operator_args_pytree_names_the_plan_version() -> None:
     del plan
     assert conv.plan_version is None  # handles do not keep their plan alive
     assert jax.tree_util.tree_structure(args) != changed
+
+
+def test_operator_args_copy_and_pickle() -> None:
+    # Handles hold a weak reference to their plan: copies are the handle itself, and pickles
+    # (of args or of a whole plan) leave it out.
+    plan, conv = _conv_plan()
+    plan.compile()
+    w = np.random.default_rng(4).standard_normal((6, 4, 3, 3)).astype(np.float32)
+    x = np.ones((1, 4, 8, 8), np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w)
+    want = np.asarray(plan.execute(x, args))
+    assert copy.copy(conv) is conv and copy.deepcopy(conv) is conv
+    for other in (copy.deepcopy(args), pickle.loads(pickle.dumps(args))):
+        np.testing.assert_array_equal(plan.execute(x, other), want)
+    unpickled = pickle.loads(pickle.dumps(plan))
+    np.testing.assert_array_equal(unpickled.execute(x, args), want)
 
 
 def test_missing_and_wrong_arguments() -> None:
