@@ -88,11 +88,13 @@ NB_MODULE(_jaxfuse_ext, m) {
   m.def("cpu_threads", &jaxfuse::cpu::NumThreads, "Threads the CPU kernels use.");
 
   m.def("gpu_configure", [](const std::string& cache_dir,
-                            const std::vector<std::string>& compiler_paths) {
-    jaxfuse::gpu::DiskCache::Global().Configure(cache_dir);
+                            const std::vector<std::string>& compiler_paths,
+                            const std::string& cache_off_reason) {
+    jaxfuse::gpu::DiskCache::Global().Configure(cache_dir, cache_off_reason);
     jaxfuse::gpu::SetCompilerSearchPaths(compiler_paths);
-  }, nb::arg("cache_dir"), nb::arg("compiler_paths"),
-     "Sets the kernel cache directory ('' = memory only) and extra runtime-compiler paths.");
+  }, nb::arg("cache_dir"), nb::arg("compiler_paths"), nb::arg("cache_off_reason") = "",
+     "Sets the kernel cache directory ('' = memory only, for `cache_off_reason` if given) and\n"
+     "extra runtime-compiler paths.");
 
   m.def("gpu_prepare", [](std::string_view platform, std::string_view plan, int ordinal) {
     const Platform p = ParsePlatform(platform);
@@ -172,7 +174,8 @@ NB_MODULE(_jaxfuse_ext, m) {
   // uses only the global one (gpu_configure).
   nb::class_<jaxfuse::gpu::DiskCache>(m, "_DiskCache")
       .def(nb::init<>())
-      .def("configure", &jaxfuse::gpu::DiskCache::Configure, nb::arg("directory"))
+      .def("configure", &jaxfuse::gpu::DiskCache::Configure, nb::arg("directory"),
+           nb::arg("why_off") = "")
       .def_prop_ro("problem", &jaxfuse::gpu::DiskCache::problem)
       .def("load", [](jaxfuse::gpu::DiskCache& cache, const std::string& key) -> nb::object {
         std::string binary;

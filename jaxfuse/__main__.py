@@ -73,9 +73,9 @@ def info(out: Any = sys.stdout) -> None:
     print("runtime compilers:", file=out)
     for line in _compilers(ext):
         print(f"  {line}", file=out)
-    directory = cache["directory"] or "(disk cache off: JAXFUSE_CACHE_DIR is empty)"
-    print(f"kernel cache: {directory}", file=out)
-    if cache["problem"]:
+    off = "(disk cache off)" if cache["problem"] else "(disk cache off: JAXFUSE_CACHE_DIR is empty)"
+    print(f"kernel cache: {cache['directory'] or off}", file=out)
+    if cache["problem"]:  # also before first use: the check runs now, creating nothing
         print(f"  not used: {cache['problem']}", file=out)
     keys = sorted(cache["keys"])
     print(f"  {len(keys)} compiled kernel(s)", file=out)

@@ -24,8 +24,12 @@ def extension() -> ModuleType:
         raise ImportError(
             "jaxfuse's C++ extension is missing; reinstall with `pip install .` from the "
             f"source tree ({err})") from err
-    kernels = runtime.kernel_cache_dir()
-    _jaxfuse_ext.gpu_configure(str(kernels) if kernels else "", runtime.compiler_search_paths())
+    try:
+        kernels, why_off = runtime.kernel_cache_dir(), ""
+    except RuntimeError as err:  # an unusable path only turns the disk cache off (SECURITY.md)
+        kernels, why_off = None, str(err)
+    _jaxfuse_ext.gpu_configure(str(kernels) if kernels else "", runtime.compiler_search_paths(),
+                               why_off)
     return _jaxfuse_ext
 
 

@@ -29,12 +29,17 @@ from .ops import (
 __all__ = ["OperatorArgs"]
 
 
+_KINDS = {cls.letter: cls.kind for cls in (ConvForwardOp, BiasForwardOp, BatchNormInferenceOp,
+                                           SideInputAddOp, ActivationForwardOp)}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     plan_id: int
     letter: str
     arrays: tuple[Any, ...]
     scalars: tuple[tuple[str, Any], ...]
+    op: FusionOp
 
 
 def _require(op: Any, cls: type[FusionOp], setter: str, adder: str) -> None:
@@ -46,7 +51,11 @@ def _require(op: Any, cls: type[FusionOp], setter: str, adder: str) -> None:
 def _check_blend_beta(beta: Any, setter: str) -> None:
     # JAX results are fresh buffers, so there is no prior output to blend into.
     _check_scalar(f"{setter}: beta", beta)
-    if _is_concrete(beta) and float(np.asarray(beta)) != 0.0:
+    if not _is_concrete(beta):  # its value is unknown here, so it could not be checked
+        raise TypeError(f"{setter}: beta is a traced value (under jit, vmap or grad); it must "
+                        "be the concrete number 0 (JAX outputs are fresh buffers, so there is "
+                        "no prior output to blend into): leave it out or pass 0")
+    if float(np.asarray(beta)) != 0.0:
         raise ValueError(f"{setter}: beta={beta} is not supported (JAX outputs are fresh "
                          "buffers, so the blend factor beta must be 0)")
 
@@ -112,7 +121,11 @@ class OperatorArgs:
     # ----- setters, one per operator kind -----------------------------------------------------
     def set_conv_forward(self, op: ConvForwardOp, w: Any, alpha: Any = 1.0,
                          beta: Any = 0.0) -> OperatorArgs:
-        """Sets the filters `w` (in the filter descriptor's layout) and the scale `alpha`."""
+        """Sets the filters `w` (in the filter descriptor's layout) and the scale `alpha`.
+
+        `beta` (MIOpen's output blend factor) must be the concrete number 0; anything else,
+        a traced value included, is refused.
+        """
         _require(op, ConvForwardOp, "set_conv_forward", "add_conv_forward")
         _check_blend_beta(beta, "set_conv_forward")
         _check_array("set_conv_forward: w", w, op.filter.shape, op.filter.dtype)
@@ -164,7 +177,7 @@ class OperatorArgs:
 
     def _set(self, op: FusionOp, arrays: tuple[Any, ...],
              scalars: tuple[tuple[str, Any], ...]) -> OperatorArgs:
-        self._entries[op.index] = _Entry(op.plan_id, op.letter, arrays, scalars)
+        self._entries[op.index] = _Entry(op.plan_id, op.letter, arrays, scalars, op)
         return self
 
     # ----- reading back -----------------------------------------------------------------------
@@ -175,17 +188,28 @@ class OperatorArgs:
             return None
         return entry
 
+    def foreign_entry(self, op: FusionOp) -> str | None:
+        """Whose handle set the arguments in `op`'s place when they are not `op`'s (e.g.
+        "another plan's activation handle"); None when they are `op`'s or nothing is set."""
+        entry = self._entries.get(op.index)
+        if entry is None or self.entry(op) is not None:
+            return None
+        whose = "another plan's" if entry.plan_id != op.plan_id else "a"
+        return f"{whose} {_KINDS[entry.letter]} handle"
+
     def __repr__(self) -> str:
         kinds = ", ".join(f"{i}:{e.letter}" for i, e in sorted(self._entries.items()))
         return f"OperatorArgs({kinds})"
 
     # ----- pytree protocol --------------------------------------------------------------------
     def tree_flatten(self) -> tuple[list[Any], Any]:
+        # The structure names each operator and its plan's version now: a plan changed after
+        # jax.jit traced it gives a new structure, so jit traces again and execute() refuses.
         leaves: list[Any] = []
         structure = []
         for index, e in sorted(self._entries.items()):
             leaves += list(e.arrays) + [v for _, v in e.scalars]
-            structure.append((index, e.plan_id, e.letter, len(e.arrays),
+            structure.append((index, e.op, e.op.plan_version, len(e.arrays),
                               tuple(n for n, _ in e.scalars)))
         return leaves, tuple(structure)
 
@@ -193,8 +217,8 @@ class OperatorArgs:
     def tree_unflatten(cls, structure: Any, leaves: Any) -> OperatorArgs:
         args = cls()
         it = iter(leaves)
-        for index, plan_id, letter, n_arrays, names in structure:
+        for index, op, _, n_arrays, names in structure:
             arrays = tuple(next(it) for _ in range(n_arrays))
             scalars = tuple((n, next(it)) for n in names)
-            args._entries[index] = _Entry(plan_id, letter, arrays, scalars)
+            args._entries[index] = _Entry(op.plan_id, op.letter, arrays, scalars, op)
         return args

@@ -135,7 +135,9 @@ class ConvDesc:
       dilation: filter (rhs) dilation.
       groups: ``feature_group_count``; ``groups == C == K`` is a depthwise convolution.
       precision: ``None`` lets fp32 convolutions use TF32 on GPUs, as lax's default precision
-        does; ``"highest"`` asks for exact fp32.
+        does; ``"highest"`` asks for exact fp32. Any lax precision is accepted (a
+        ``lax.Precision`` or its name, or an ``(lhs, rhs)`` pair of them, which follows its
+        stricter member) and kept as one of these two.
     """
 
     strides: tuple[int, int]
@@ -154,16 +156,7 @@ class ConvDesc:
         if groups < 1:
             raise ValueError(f"groups must be >= 1, got {groups}")
         object.__setattr__(self, "groups", groups)
-        if precision is not None:
-            precision = str(precision).lower().removeprefix("precision.")
-            if precision not in ("default", "high", "highest", "fastest", "bfloat16",
-                                 "tensorfloat32", "float32"):
-                raise ValueError(f"precision {precision!r} is not a lax precision")
-            if precision in ("default", "fastest", "bfloat16", "tensorfloat32"):
-                precision = None
-            else:
-                precision = "highest"
-        object.__setattr__(self, "precision", precision)
+        object.__setattr__(self, "precision", _canonical_precision(precision))
 
     def explicit_padding(self, in_hw: tuple[int, int],
                          filter_hw: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -190,6 +183,29 @@ class ConvDesc:
             span = size + lo + hi - effective
             out.append(span // stride + 1 if span >= 0 else 0)
         return (out[0], out[1])
+
+
+# lax's precision names (case aside), by level: 0 DEFAULT (TF32 allowed), 1 HIGH, 2 HIGHEST.
+# jaxfuse has one exact fp32 mode, so HIGH gets it too, as in jaxfuse.fuse.
+_PRECISION_LEVELS = {"default": 0, "fastest": 0, "bfloat16": 0, "high": 1, "bfloat16_3x": 1,
+                     "tensorfloat32": 1, "highest": 2, "float32": 2}
+
+
+def _canonical_precision(precision: Any) -> str | None:
+    """"highest" when `precision` (a lax precision or an (lhs, rhs) pair, which follows its
+    stricter member) asks for more than the default, else None."""
+    if precision is None:
+        return None
+    pair = isinstance(precision, (tuple, list))
+    values = tuple(precision) if pair else (precision,)
+    names = [str(v).lower().removeprefix("precision.") for v in values]
+    if (pair and len(values) != 2) or any(v is None or isinstance(v, (tuple, list))
+                                          for v in values) or \
+            not all(name in _PRECISION_LEVELS for name in names):
+        raise ValueError(
+            f"precision {precision!r} is not a lax precision: expected None, a lax.Precision "
+            f"or its name ({', '.join(_PRECISION_LEVELS)}), or an (lhs, rhs) pair of them")
+    return "highest" if max(_PRECISION_LEVELS[name] for name in names) > 0 else None
 
 
 def _canonical_padding(padding: Padding) -> str | tuple[tuple[int, int], tuple[int, int]]:

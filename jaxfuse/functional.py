@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .activations import ActivationMode
 from .args import OperatorArgs
@@ -54,6 +56,91 @@ def _static_padding(padding: Padding) -> Any:
     if isinstance(padding, (int, np.integer)):
         return int(padding)
     return tuple(p if isinstance(p, (int, np.integer)) else tuple(p) for p in padding)
+
+
+def _check_2d(x: Any, w: Any, dimension_numbers: DimensionNumbers) -> None:
+    """Only 2-D convolutions fuse; said first, so that a 1-D or 3-D convolution is not refused
+    for its strides or padding."""
+    ranks = [("x", np.ndim(x)), ("w", np.ndim(w))]
+    specs = dimension_numbers
+    if hasattr(dimension_numbers, "lhs_spec"):
+        specs = (dimension_numbers.lhs_spec, dimension_numbers.rhs_spec,
+                 dimension_numbers.out_spec)
+    if isinstance(specs, (tuple, list)):
+        ranks += [(f"dimension_numbers entry {spec!r}", len(spec)) for spec in specs
+                  if isinstance(spec, (str, tuple, list))]
+    for what, rank in ranks:
+        if rank != 4:
+            kind = f", as a {rank - 2}-D convolution's do" if rank > 2 else ""
+            raise ValueError(f"only 2-D convolutions are supported (4-D x and w); {what} has "
+                             f"{rank} dimensions{kind}")
+
+
+def _pair(value: Any, name: str) -> tuple[Any, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"{name} must be a sequence of 2 ints (one per spatial dimension of a "
+                        f"2-D convolution), got {value!r}")
+    return tuple(value)
+
+
+def _refuse_unsupported(lhs_dilation: Any, batch_group_count: Any, out_sharding: Any) -> None:
+    """The arguments of lax.conv_general_dilated that have no fused form, by name."""
+    if lhs_dilation is not None and _pair(lhs_dilation, "lhs_dilation") != (1, 1):
+        raise ValueError(f"lhs_dilation={tuple(lhs_dilation)} (a transposed convolution) is not "
+                         "supported; only lhs_dilation=None or (1, 1) fuses")
+    if batch_group_count != 1:
+        raise ValueError(f"batch_group_count={batch_group_count!r} is not supported; only 1 "
+                         "fuses")
+    if out_sharding is not None:
+        raise ValueError("out_sharding is not supported; shard the operands (the fused op "
+                         "follows their sharding under jax.jit)")
+
+
+def _widen(x: Any, w: Any, preferred_element_type: Any) -> tuple[Any, Any]:
+    """x and w in the dtype the result should have: float32 for float16/bfloat16 inputs is
+    exact (as lax accumulates and returns it); any other change is refused."""
+    if preferred_element_type is None:
+        return x, w
+    try:
+        want = np.dtype(jnp.dtype(preferred_element_type))
+    except TypeError as err:
+        raise TypeError(f"preferred_element_type={preferred_element_type!r} is not a "
+                        "dtype") from err
+    have = np.dtype(x.dtype)
+    if want == have:
+        return x, w
+    if want == np.float32 and have in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        return jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    raise ValueError(f"preferred_element_type={want.name} is not supported for {have.name} "
+                     "inputs; the fused convolution returns the input dtype, or float32 for "
+                     "float16/bfloat16 inputs")
+
+
+def _conv_call(x: Any, w: Any, window_strides: Any, padding: Padding, lhs_dilation: Any,
+               rhs_dilation: Any, feature_group_count: Any, batch_group_count: Any,
+               dimension_numbers: DimensionNumbers, precision: Any,
+               preferred_element_type: Any, out_sharding: Any) -> tuple[Any, Any, dict]:
+    """x, w and `_run`'s convolution keywords from `lax.conv_general_dilated`'s arguments."""
+    _check_2d(x, w, dimension_numbers)
+    _refuse_unsupported(lhs_dilation, batch_group_count, out_sharding)
+    layout, filter_layout = _layouts(dimension_numbers)
+    x, w = _widen(x, w, preferred_element_type)
+    strides = _pair(window_strides, "window_strides")
+    dilation = (1, 1) if rhs_dilation is None else _pair(rhs_dilation, "rhs_dilation")
+    if isinstance(padding, str) and padding.upper() not in ("SAME", "SAME_LOWER", "VALID"):
+        raise ValueError(f"padding {padding!r} is not supported; expected 'SAME', 'SAME_LOWER', "
+                         "'VALID' or (low, high) pairs")
+    lower = isinstance(padding, str) and padding.upper() == "SAME_LOWER"
+    conv = ConvDesc(strides, "VALID" if lower else _static_padding(padding), dilation,
+                    feature_group_count, precision)
+    if lower:  # resolved here, as lax does, from the input and filter sizes
+        windows = [(np.shape(w)[filter_layout.index(a)] - 1) * d + 1
+                   for a, d in zip("HW", conv.dilation)]
+        in_hw = [np.shape(x)[layout.index(a)] for a in "HW"]
+        conv = ConvDesc(conv.strides, lax.padtype_to_pads(in_hw, windows, conv.strides,
+                                                          "SAME_LOWER"),
+                        conv.dilation, conv.groups, conv.precision)
+    return x, w, {"conv": conv, "layout": layout, "filter_layout": filter_layout}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -108,39 +195,57 @@ def _run(x: Any, *, w: Any = None, conv: ConvDesc | None = None, filter_layout: 
 
 def conv_bias_activation(
         x: Any, w: Any, b: Any = None, *, window_strides: Sequence[int] = (1, 1),
-        padding: Padding = "VALID", rhs_dilation: Sequence[int] = (1, 1),
-        feature_group_count: int = 1, dimension_numbers: DimensionNumbers = None,
+        padding: Padding = "VALID", lhs_dilation: Sequence[int] | None = None,
+        rhs_dilation: Sequence[int] | None = None, feature_group_count: int = 1,
+        batch_group_count: int = 1, dimension_numbers: DimensionNumbers = None,
         activation: str | ActivationMode | None = "relu", activation_alpha: Any = None,
         activation_beta: Any = None, activation_gamma: Any = None, side_input: Any = None,
-        side_input_alpha: Any = 1.0, precision: Any = None) -> jax.Array:
+        side_input_alpha: Any = 1.0, precision: Any = None, preferred_element_type: Any = None,
+        out_sharding: Any = None) -> jax.Array:
     """``activation(conv(x, w) + b [+ side_input_alpha * side_input])`` as one fused kernel.
 
-    Arguments follow `lax.conv_general_dilated`; `b` (shape ``(K,)``), `side_input` and
-    `activation` may be None to leave that step out.
+    The convolution's arguments are `lax.conv_general_dilated`'s, for 2-D convolutions:
+    `padding` "SAME", "SAME_LOWER", "VALID" or (low, high) pairs; `precision` a lax precision
+    or an (lhs, rhs) pair (the stricter decides whether fp32 may use TF32);
+    `preferred_element_type` None, the input dtype, or float32 for float16/bfloat16 inputs
+    (widened exactly, so the fused op runs in float32). `lhs_dilation` other than 1,
+    `batch_group_count` other than 1 and `out_sharding` are refused by name. `b` (shape
+    ``(K,)``), `side_input` and `activation` may be None to leave that step out.
+
+    >>> import jax.numpy as jnp, jaxfuse as jf
+    >>> x, w, b = jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 16)), jnp.zeros(16)
+    >>> jf.conv_bias_activation(x, w, b, padding="SAME",
+    ...                         dimension_numbers=("NHWC", "HWIO", "NHWC")).shape
+    (1, 8, 8, 16)
     """
-    layout, filter_layout = _layouts(dimension_numbers)
-    conv = ConvDesc(tuple(window_strides), _static_padding(padding), tuple(rhs_dilation),
-                    feature_group_count, None if precision is None else str(precision))
-    return _run(x, w=w, conv=conv, filter_layout=filter_layout, layout=layout, bias=b,
-                side=side_input, side_alpha=side_input_alpha, activation=activation,
+    x, w, conv = _conv_call(x, w, window_strides, padding, lhs_dilation, rhs_dilation,
+                            feature_group_count, batch_group_count, dimension_numbers,
+                            precision, preferred_element_type, out_sharding)
+    return _run(x, w=w, **conv, bias=b, side=side_input, side_alpha=side_input_alpha,
+                activation=activation,
                 activation_params=(activation_alpha, activation_beta, activation_gamma))
 
 
 def conv_bias_batchnorm_activation(
         x: Any, w: Any, b: Any, scale: Any, shift: Any, mean: Any, variance: Any, *,
         epsilon: Any = 1e-5, bn_mode: str = "spatial", window_strides: Sequence[int] = (1, 1),
-        padding: Padding = "VALID", rhs_dilation: Sequence[int] = (1, 1),
-        feature_group_count: int = 1, dimension_numbers: DimensionNumbers = None,
+        padding: Padding = "VALID", lhs_dilation: Sequence[int] | None = None,
+        rhs_dilation: Sequence[int] | None = None, feature_group_count: int = 1,
+        batch_group_count: int = 1, dimension_numbers: DimensionNumbers = None,
         activation: str | ActivationMode | None = "relu", activation_alpha: Any = None,
         activation_beta: Any = None, activation_gamma: Any = None, side_input: Any = None,
-        side_input_alpha: Any = 1.0, precision: Any = None) -> jax.Array:
-    """``activation(bn(conv(x, w) + b) [+ side_input])`` as one fused kernel (`b` may be None)."""
-    layout, filter_layout = _layouts(dimension_numbers)
-    conv = ConvDesc(tuple(window_strides), _static_padding(padding), tuple(rhs_dilation),
-                    feature_group_count, None if precision is None else str(precision))
-    return _run(x, w=w, conv=conv, filter_layout=filter_layout, layout=layout, bias=b,
-                bn=(scale, shift, mean, variance), epsilon=epsilon, bn_mode=bn_mode,
-                side=side_input, side_alpha=side_input_alpha, activation=activation,
+        side_input_alpha: Any = 1.0, precision: Any = None, preferred_element_type: Any = None,
+        out_sharding: Any = None) -> jax.Array:
+    """``activation(bn(conv(x, w) + b) [+ side_input])`` as one fused kernel (`b` may be None).
+
+    The convolution's arguments are as in :func:`conv_bias_activation`.
+    """
+    x, w, conv = _conv_call(x, w, window_strides, padding, lhs_dilation, rhs_dilation,
+                            feature_group_count, batch_group_count, dimension_numbers,
+                            precision, preferred_element_type, out_sharding)
+    return _run(x, w=w, **conv, bias=b, bn=(scale, shift, mean, variance), epsilon=epsilon,
+                bn_mode=bn_mode, side=side_input, side_alpha=side_input_alpha,
+                activation=activation,
                 activation_params=(activation_alpha, activation_beta, activation_gamma))
 
 

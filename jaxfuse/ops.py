@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from .activations import ActivationMode
 from .descriptors import ConvDesc, TensorDesc
@@ -41,9 +43,30 @@ class FusionOp:
 
     plan_id: int
     index: int
+    # A weak reference to the plan (a handle does not keep its plan alive), for plan_version.
+    owner: Callable[[], Any] | None = dataclasses.field(default=None, kw_only=True, repr=False)
 
     letter = "?"
     kind = "operator"
+
+    @property
+    def plan_version(self) -> int | None:
+        """The version of the plan this operator belongs to, which every change to the plan
+        bumps (None once the plan is gone). Arguments set for the operator carry it in their
+        pytree structure, so ``jax.jit`` traces again, and refuses, after the plan changed."""
+        plan = None if self.owner is None else self.owner()
+        return None if plan is None else plan.version
+
+    # A handle is an identity: copies are the handle itself; pickling drops the weak reference
+    # (which cannot be pickled), so an unpickled handle has no plan_version.
+    def __copy__(self) -> FusionOp:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusionOp:
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: value for name, value in self.__dict__.items() if name != "owner"}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(index={self.index})"

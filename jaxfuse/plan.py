@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+import weakref
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from .signature import SCALARS, PlanSignature
 __all__ = ["FusionPlan"]
 
 _plan_ids = itertools.count(1)
+_Op = TypeVar("_Op", bound=FusionOp)
 
 
 class FusionPlan:
@@ -66,7 +68,7 @@ class FusionPlan:
         """Adds a convolution; it must be the plan's first operator."""
         support.check_append(self._ops, "C")
         self._conv_spec = support.check_conv(self._input_desc, conv, filter_desc)
-        return self._append(ConvForwardOp(self._id, len(self._ops), conv, filter_desc))
+        return self._append(ConvForwardOp, conv, filter_desc)
 
     def add_bias_forward(self, bias_desc: TensorDesc) -> BiasForwardOp:
         """Adds a per-channel bias; `bias_desc` has shape ``(K,)`` for K output channels."""
@@ -77,27 +79,33 @@ class FusionPlan:
         if bias_desc.shape != (channels,):
             raise FusionError(f"bias descriptor has shape {bias_desc.shape}; the operator "
                               f"before it has {channels} channels, so it must be ({channels},)")
-        return self._append(BiasForwardOp(self._id, len(self._ops), bias_desc))
+        return self._append(BiasForwardOp, bias_desc)
 
     def add_batchnorm_inference(self, mode: str = "spatial") -> BatchNormInferenceOp:
         """Adds batch-norm inference in "spatial" or "per_activation" mode."""
         support.check_append(self._ops, "N")
-        return self._append(BatchNormInferenceOp(self._id, len(self._ops), batchnorm_mode(mode)))
+        return self._append(BatchNormInferenceOp, batchnorm_mode(mode))
 
     def add_side_input_add(self) -> SideInputAddOp:
         """Adds ``y + alpha * z`` for a side input z of the output's shape (a residual add)."""
         support.check_append(self._ops, "S")
-        return self._append(SideInputAddOp(self._id, len(self._ops)))
+        return self._append(SideInputAddOp)
 
     def add_activation_forward(self, mode: str | ActivationMode) -> ActivationForwardOp:
         """Adds an activation (see :class:`jaxfuse.ActivationMode`)."""
         support.check_append(self._ops, "A")
-        return self._append(ActivationForwardOp(self._id, len(self._ops), activation_mode(mode)))
+        return self._append(ActivationForwardOp, activation_mode(mode))
 
-    def _append(self, op: FusionOp) -> Any:
+    def _append(self, kind: type[_Op], *fields: Any) -> _Op:
+        op = kind(self._id, len(self._ops), *fields, owner=weakref.ref(self))
         self._ops.append(op)
         self._version += 1
         return op
+
+    @property
+    def version(self) -> int:
+        """Bumped by every change to the plan (an added operator)."""
+        return self._version
 
     def _current_channels(self) -> int:
         if self._conv_spec is not None:
@@ -186,11 +194,14 @@ class FusionPlan:
                 setter = {"C": "set_conv_forward", "B": "set_bias_forward",
                           "N": "set_batchnorm_inference", "S": "set_side_input_add",
                           "A": "set_activation_forward"}[op.letter]
+                missing = f"no arguments for the {op.kind} operator (operator {op.index})"
+                if foreign := args.foreign_entry(op):  # a mistake, even for an activation
+                    raise ValueError(f"{missing}: the arguments in its place were set with "
+                                     f"{foreign}; call args.{setter}() with this plan's handle")
                 if isinstance(op, ActivationForwardOp):
                     entry = OperatorArgs().set_activation_forward(op).entry(op)
                 else:
-                    raise ValueError(f"no arguments for the {op.kind} operator (operator "
-                                     f"{op.index}); call args.{setter}() first")
+                    raise ValueError(f"{missing}; call args.{setter}() first")
             params += list(entry.arrays)
             scalars.update(entry.scalars)
         return params, scalars

@@ -20,11 +20,21 @@ __all__ = ["cache_dir", "compiler_search_paths", "gpu_platform", "kernel_cache_d
 
 
 def cache_dir() -> Path | None:
-    """jaxfuse's cache directory, or None when disk caching is off."""
+    """jaxfuse's cache directory, or None when disk caching is off (``JAXFUSE_CACHE_DIR=""``).
+
+    Raises RuntimeError, naming where the path came from, when it cannot be resolved (``~user``
+    of an unknown user, no home directory).
+    """
     value = os.environ.get("JAXFUSE_CACHE_DIR")
-    if value is None:
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxfuse"
-    return Path(value).expanduser() if value else None
+    try:
+        if value is None:
+            return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxfuse"
+        return Path(value).expanduser() if value else None
+    except RuntimeError as err:  # pathlib's "Could not determine home directory."
+        origin = ("the default, ~/.cache/jaxfuse" if value is None
+                  else f"JAXFUSE_CACHE_DIR={value!r}")
+        raise RuntimeError(f"the kernel cache directory ({origin}) cannot be resolved: "
+                           f"{err}") from err
 
 
 def kernel_cache_dir() -> Path | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxfuse import compiled
+from jaxfuse import compiled, runtime
 from jaxfuse._extension import extension
 
 ROOT = os.geteuid() == 0
@@ -246,6 +246,116 @@ def test_import_configures_but_creates_nothing(tmp_path) -> None:
         info = json.loads(done.stdout.strip().splitlines()[-1])
         assert info == {"directory": expected, "problem": "", "keys": []}
     assert not (tmp_path / "c").exists()
+
+
+def _other_users_directory(tmp_path: Path) -> Path:
+    if not ROOT:
+        return Path("/")  # root's
+    directory = tmp_path / "theirs"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, 65534, 65534)
+    return directory
+
+
+def _chmod(directory: Path, mode: int) -> Path:
+    directory.mkdir()
+    directory.chmod(mode)
+    return directory
+
+
+def _file(path: Path) -> Path:
+    path.write_text("not a directory")
+    return path
+
+
+@pytest.mark.parametrize("setup,problem", [
+    (lambda tmp: _chmod(tmp / "kernels", 0o777), "is writable by other users"),
+    (lambda tmp: _chmod(tmp / "kernels", 0o720), "is writable by other users"),
+    (_other_users_directory, "belongs to another user"),
+    (lambda tmp: _file(tmp / "file") / "kernels", "cannot create"),
+    (lambda tmp: _file(tmp / "file"), "is not a directory"),
+    (lambda tmp: tmp / "new" / "kernels", ""),  # created on first use
+], ids=["world-writable", "group-writable", "another-user", "file-above", "file", "missing"])
+def test_the_problem_is_known_before_first_use(tmp_path, setup, problem) -> None:
+    # `python -m jaxfuse info` reports it without compiling anything; nothing is created.
+    directory = setup(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    cache = _cache(directory)
+    assert (problem in cache.problem) if problem else cache.problem == "", cache.problem
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_keys_are_not_read_from_a_directory_that_is_off(tmp_path) -> None:
+    directory = tmp_path / "kernels"
+    _cache(directory).store("plan-1", _payload("plan-1"))
+    assert _cache(directory).keys() == ["plan-1"]
+    directory.chmod(0o777)  # now anyone could have written the entries
+    cache = _cache(directory)
+    assert cache.keys() == []
+    assert "writable by other users" in cache.problem
+
+
+def _run(code: str, env: dict[str, str | None]) -> str:
+    """Runs `code` in a child with os.environ changed by `env` (None removes a variable)."""
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+_INFO = "import sys\nfrom jaxfuse.__main__ import main\nsys.exit(main(['info']))"
+
+
+def test_info_says_why_an_unsafe_cache_directory_is_off(tmp_path) -> None:
+    directory = tmp_path / "kernels"
+    _cache(directory).store("secret-plan-key", b"data")
+    directory.chmod(0o777)
+    out = _run(_INFO, {"JAXFUSE_CACHE_DIR": str(tmp_path)})
+    assert f"kernel cache: {directory}\n" in out
+    assert f"  not used: {directory} is writable by other users" in out
+    assert "0 compiled kernel(s)" in out and "secret-plan-key" not in out
+
+
+# A process whose user has no home directory: HOME unset and no password-file entry.
+_NO_HOME = "import pwd\ndef _no_entry(uid): raise KeyError(uid)\npwd.getpwuid = _no_entry\n"
+
+
+@pytest.mark.parametrize("env,prelude,origin", [
+    ({"JAXFUSE_CACHE_DIR": "~jaxfuse_no_such_user_q7/cache"}, "",
+     "JAXFUSE_CACHE_DIR='~jaxfuse_no_such_user_q7/cache'"),
+    ({"HOME": None, "XDG_CACHE_HOME": None, "JAXFUSE_CACHE_DIR": None}, _NO_HOME,
+     "the default, ~/.cache/jaxfuse"),
+], ids=["unknown-user", "no-home"])
+def test_an_unresolvable_cache_directory_turns_the_disk_cache_off(env, prelude, origin) -> None:
+    problem = f"the kernel cache directory ({origin}) cannot be resolved: Could not determine " \
+              "home directory."
+    code = (prelude + "import json, jax.numpy as jnp, jaxfuse as jf\n"
+            "from jaxfuse._extension import extension\n"
+            "y = jf.bias_activation(jnp.ones((1, 2, 3, 3)), -jnp.ones(2))\n"
+            "print(float(y.max()), json.dumps(extension().gpu_cache(keys=False)))")
+    result, cache = _run(code, env).strip().splitlines()[-1].split(" ", 1)
+    assert float(result) == 0.0  # import and CPU plans work
+    assert json.loads(cache) == {"directory": "", "problem": problem, "keys": []}
+    out = _run(prelude + _INFO, env)
+    assert f"kernel cache: (disk cache off)\n  not used: {problem}\n" in out
+
+
+def test_cache_dir_names_where_an_unresolvable_path_came_from(monkeypatch) -> None:
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", "~jaxfuse_no_such_user_q7")
+    with pytest.raises(RuntimeError, match="JAXFUSE_CACHE_DIR='~jaxfuse_no_such_user_q7'"):
+        runtime.cache_dir()
+    monkeypatch.delenv("JAXFUSE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home(cls: type) -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    with pytest.raises(RuntimeError, match=r"the default, ~/\.cache/jaxfuse"):
+        runtime.kernel_cache_dir()
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", "")
+    assert runtime.cache_dir() is None
 
 
 # ----- several processes on one cache -----------------------------------------------------------

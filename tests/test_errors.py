@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
+import jax
 import numpy as np
 import pytest
 from cases import Case
+from jax import lax
 
 import jaxfuse as jf
 
@@ -115,6 +120,69 @@ def test_execute_before_compile_and_after_change() -> None:
     assert plan.execute(x, args).shape == (1, 6, 8, 8)
 
 
+def _conv_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    with jax.enable_x64(True):
+        return np.asarray(lax.conv_general_dilated(x.astype(np.float64), w.astype(np.float64),
+                                                   (1, 1), ((1, 1), (1, 1))))
+
+
+def test_a_jitted_execute_refuses_a_plan_changed_after_tracing() -> None:
+    # The check in execute() runs when tracing; the plan's version in the arguments' pytree
+    # structure makes the cached trace miss once the plan changed.
+    plan, conv = _conv_plan()
+    plan.compile()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w)
+    f = jax.jit(plan.execute)
+    np.testing.assert_allclose(f(x, args), _conv_reference(x, w), rtol=1e-5, atol=1e-5)
+    plan.add_activation_forward("relu")
+    with pytest.raises(jf.FusionError, match="changed since compile"):
+        f(x, args)
+    plan.compile()
+    np.testing.assert_allclose(f(x, args), np.maximum(_conv_reference(x, w), 0), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_operator_args_pytree_names_the_plan_version() -> None:
+    plan, conv = _conv_plan()
+    act = plan.add_activation_forward("leaky_relu")
+    w = np.ones((6, 4, 3, 3), np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w, alpha=2.0).set_activation_forward(
+        act, alpha=0.3)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    rebuilt = jax.tree_util.tree_unflatten(tree, leaves)
+    assert jax.tree_util.tree_structure(rebuilt) == tree
+    assert rebuilt.entry(conv).arrays == (w,) and rebuilt.entry(act).arrays == ()
+    assert dict(rebuilt.entry(act).scalars)["act_alpha"] == 0.3
+    same = jf.OperatorArgs().set_conv_forward(conv, w).set_activation_forward(act)
+    assert jax.tree_util.tree_structure(same) == tree
+    plan.add_bias_forward(jf.TensorDesc((6,), "float32"))
+    changed = jax.tree_util.tree_structure(args)
+    assert changed != tree and changed.num_leaves == tree.num_leaves
+    assert conv.plan_version == plan.version == 3
+    del plan
+    assert conv.plan_version is None  # handles do not keep their plan alive
+    assert jax.tree_util.tree_structure(args) != changed
+
+
+def test_operator_args_copy_and_pickle() -> None:
+    # Handles hold a weak reference to their plan: copies are the handle itself, and pickles
+    # (of args or of a whole plan) leave it out.
+    plan, conv = _conv_plan()
+    plan.compile()
+    w = np.random.default_rng(4).standard_normal((6, 4, 3, 3)).astype(np.float32)
+    x = np.ones((1, 4, 8, 8), np.float32)
+    args = jf.OperatorArgs().set_conv_forward(conv, w)
+    want = np.asarray(plan.execute(x, args))
+    assert copy.copy(conv) is conv and copy.deepcopy(conv) is conv
+    for other in (copy.deepcopy(args), pickle.loads(pickle.dumps(args))):
+        np.testing.assert_array_equal(plan.execute(x, other), want)
+    unpickled = pickle.loads(pickle.dumps(plan))
+    np.testing.assert_array_equal(unpickled.execute(x, args), want)
+
+
 def test_missing_and_wrong_arguments() -> None:
     plan, conv = _conv_plan()
     bias = plan.add_bias_forward(jf.TensorDesc((6,), "float32"))
@@ -161,6 +229,70 @@ def test_args_from_another_plan_are_rejected() -> None:
     args = jf.OperatorArgs().set_conv_forward(conv_a, np.ones((6, 4, 3, 3), np.float32))
     with pytest.raises(ValueError, match="no arguments for the convolution"):
         plan_b.execute(np.ones((1, 4, 8, 8), np.float32), args)
+
+
+@pytest.mark.parametrize("kind", ["C", "B", "A"])
+def test_arguments_set_with_another_plans_handle_are_refused(kind: str) -> None:
+    # Only a missing activation entry takes the mode's defaults; another plan's entry in its
+    # place is a mistake, whatever the operator.
+    x = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    plans = []
+    for _ in range(2):
+        plan = _plan()
+        add = {"C": lambda p: p.add_conv_forward(jf.ConvDesc(padding=1), jf.TensorDesc(
+                   (4, 4, 3, 3), "float32")),
+               "B": lambda p: p.add_bias_forward(jf.TensorDesc((4,), "float32")),
+               "A": lambda p: p.add_activation_forward("clipped_relu")}[kind]
+        plans.append((plan, add(plan)))
+    (mine, _), (_, theirs) = plans
+    mine.compile()
+    args = jf.OperatorArgs()
+    if kind == "C":
+        args.set_conv_forward(theirs, np.ones((4, 4, 3, 3), np.float32))
+    elif kind == "B":
+        args.set_bias_forward(theirs, np.ones(4, np.float32))
+    else:
+        args.set_activation_forward(theirs, alpha=1.0)
+    setter = {"C": "set_conv_forward", "B": "set_bias_forward",
+              "A": "set_activation_forward"}[kind]
+    with pytest.raises(ValueError, match=rf"no arguments for the \w+ operator \(operator 0\): "
+                       rf"the arguments in its place were set with another plan's \w+ handle; "
+                       rf"call args\.{setter}\(\) with this plan's handle"):
+        mine.execute(x, args)
+
+
+def test_a_missing_activation_entry_takes_the_modes_defaults() -> None:
+    x = np.random.default_rng(1).uniform(-8, 8, (1, 4, 8, 8)).astype(np.float32)
+    plan = _plan()
+    plan.add_activation_forward("clipped_relu")
+    plan.compile()
+    np.testing.assert_array_equal(plan.execute(x, jf.OperatorArgs()), np.clip(x, 0, 6))
+
+
+def test_a_traced_conv_beta_is_refused() -> None:
+    # beta must be 0; under jit its value cannot be checked, so a traced beta is refused rather
+    # than silently dropped.
+    plan, conv = _conv_plan()
+    plan.compile()
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, 4, 8, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 4, 3, 3)).astype(np.float32)
+
+    def run(beta):
+        return plan.execute(x, jf.OperatorArgs().set_conv_forward(conv, w, beta=beta))
+
+    for beta in (0.5, 0.0):
+        with pytest.raises(TypeError, match=r"beta is a traced value .* must be the concrete "
+                                             r"number 0"):
+            jax.jit(run)(np.float32(beta))
+    with pytest.raises(TypeError, match="beta is a traced value"):
+        jax.vmap(run)(np.zeros(2, np.float32))
+    with jax.enable_x64(True):
+        want = np.asarray(lax.conv_general_dilated(x.astype(np.float64), w.astype(np.float64),
+                                                   (1, 1), ((1, 1), (1, 1))))
+    got = jax.jit(lambda x: plan.execute(x, jf.OperatorArgs().set_conv_forward(
+        conv, w, beta=0.0)))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_malformed_signatures_are_rejected_by_the_extension() -> None:

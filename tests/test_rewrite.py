@@ -117,6 +117,48 @@ def test_activation_forms_nchw(name: str) -> None:
     assert report.fused[0].ops[-1] == mode
 
 
+# Forms whose NaN differs from the plan's activation (which keeps NaN, as jax.nn does): fusing
+# them would change the result, so they are left alone.
+NAN_TO_ZERO_FORMS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "where(y > 0, y, 0)": lambda y: jnp.where(y > 0, y, 0.0),
+    "where(y >= 0, y, 0)": lambda y: jnp.where(y >= 0, y, 0.0),
+    "where(0 < y, y, 0)": lambda y: jnp.where(jnp.less(0.0, y), y, 0.0),
+    "elu with where(y < 0, y, 0) inside": lambda y: jnp.where(
+        y > 0, y, 0.5 * jnp.expm1(jnp.where(y < 0, y, 0.0))),
+}
+NAN_KEEPING_FORMS: dict[str, tuple[Callable[[jax.Array], jax.Array], str]] = {
+    **ACTIVATIONS,
+    "where(y <= 0, 0, y)": (lambda y: jnp.where(y <= 0, 0.0, y), "relu"),
+    "where(y < 0, 0.1 y, y)": (lambda y: jnp.where(y < 0, 0.1 * y, y), "leaky_relu"),
+    "elu as where(y < 0, expm1(where(y < 0, y, 0)), y)": (lambda y: jnp.where(
+        y < 0, jnp.expm1(jnp.where(y < 0, y, 0.0)), y), "elu"),
+    "lax.clamp(0, y, 6)": (lambda y: lax.clamp(0.0, y, 6.0), "clipped_relu"),
+}
+
+
+def _nan_inf_operands(layer: Layer) -> tuple[jax.Array, ...]:
+    """x with a NaN, and a bias that makes whole channels NaN, +inf and -inf."""
+    x = layer.x.at[0, 2, 3, 1].set(jnp.nan)
+    b = layer.b.at[0].set(jnp.nan).at[1].set(jnp.inf).at[2].set(-jnp.inf)
+    return x, layer.w, b
+
+
+@pytest.mark.parametrize("name", list(NAN_KEEPING_FORMS) + list(NAN_TO_ZERO_FORMS))
+def test_fused_activations_give_nan_and_inf_what_fn_gives(name: str) -> None:
+    act, mode = NAN_KEEPING_FORMS.get(name) or (NAN_TO_ZERO_FORMS[name], None)
+    layer = Layer("NHWC", "float32", seed=3)
+    fn = lambda x, w, b: act(layer.conv(x, w) + b)  # noqa: E731
+    args = _nan_inf_operands(layer)
+    report = jf.fusion_report(fn, *args)
+    assert report.fused[0].ops == (("conv", "bias add", mode) if mode else ("conv", "bias add"))
+    if mode is None:
+        assert "NaN" in report.fused[0].stopped or "elu" in name, report
+    want, got = np.asarray(fn(*args)), np.asarray(jax.jit(jf.fuse(fn))(*args))
+    assert np.isnan(want).any() or mode is None
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # infinities equal too
+
+
 # ----- bias and batch norm ----------------------------------------------------------------------
 BIAS_FORMS: dict[str, Callable[[Layer, jax.Array, jax.Array], jax.Array]] = {
     "y + b[None, :, None, None] / y + b": lambda L, y, b: y + L.channel(b),

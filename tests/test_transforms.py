@@ -262,6 +262,32 @@ def test_vmap_matches_python_loop(case: Case, axes: dict, out_axes: int, strateg
         assert sig.channels == size * plan.signature.channels
 
 
+@pytest.mark.parametrize("case,axes,out_axes,strategy", VMAP_CASES,
+                         ids=[f"{c}-{sorted(a)}" for c, a, _, _ in VMAP_CASES])
+def test_vmap_over_an_empty_axis_gives_the_empty_result(case: Case, axes: dict, out_axes: int,
+                                                        strategy: str, device) -> None:
+    # Folding a size-0 axis into the channels once made a plan with 0 groups.
+    plan, handles, x, params = build(case)
+    operands = {"x": x, **params}
+    for name, axis in axes.items():
+        operands[name] = jnp.moveaxis(jnp.asarray(operands[name])[None][:0], 0, axis)
+    x_in, p_in = operands.pop("x"), operands
+    in_axes = (axes.get("x"), {name: axes.get(name) for name in p_in})
+    got = jax.vmap(lambda x, p: execute(plan, handles, x, p), in_axes=in_axes,
+                   out_axes=out_axes)(x_in, p_in)
+    want = jax.eval_shape(jax.vmap(lambda x, p: nn_reference(case, x, p), in_axes=in_axes,
+                                   out_axes=out_axes), x_in, p_in)
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
+def test_functional_vmap_over_empty_filters_matches_lax() -> None:
+    x = _random((2, 4, 6, 6))
+    ws = jnp.zeros((0, 8, 4, 3, 3))
+    want = jax.vmap(lambda w: jax.nn.relu(jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")))(ws)
+    got = jax.vmap(lambda w: jf.conv_bias_activation(x, w, None, padding="SAME"))(ws)
+    assert got.shape == want.shape == (0, 2, 8, 6, 6) and got.dtype == want.dtype
+
+
 def test_nested_vmap_and_grad_of_vmap(device) -> None:
     case = Case(ops="CBA", activation="elu", **SMALL)
     plan, handles, x, params = build(case)

@@ -114,6 +114,45 @@ bool Parse(const std::string& text, std::string* key, std::string* payload) {
   return Fnv1a64(*key + *payload) == checksum;
 }
 
+// Why the existing `directory` may not hold the cache (loaded code is executed); empty when
+// it may.
+std::string DirectoryProblem(const std::string& directory) {
+  struct stat st {};
+  if (stat(directory.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return directory + " is not a directory";
+  }
+  if (st.st_uid != geteuid()) {
+    return directory + " belongs to another user; kernels are not loaded from it";
+  }
+  if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+    return directory + " is writable by other users; kernels are not loaded from it "
+           "(chmod 700 it to use it)";
+  }
+  if (access(directory.c_str(), W_OK) != 0) {
+    return "cannot write to " + directory + ": " + std::strerror(errno);
+  }
+  return "";
+}
+
+// What the first use of `directory` would find, creating nothing: the checks above if it
+// exists; if not, whether its nearest existing ancestor lets it be created.
+std::string InspectDirectory(const std::string& directory) {
+  struct stat st {};
+  if (stat(directory.c_str(), &st) == 0) return DirectoryProblem(directory);
+  if (errno != ENOENT) return "cannot create " + directory + ": " + std::strerror(errno);
+  std::string ancestor = directory;
+  do {
+    const size_t slash = ancestor.find_last_of('/');
+    ancestor = slash == std::string::npos ? "." : slash == 0 ? "/" : ancestor.substr(0, slash);
+  } while (stat(ancestor.c_str(), &st) != 0 && errno == ENOENT && ancestor != "/" &&
+           ancestor != ".");
+  if (stat(ancestor.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) ||
+      access(ancestor.c_str(), W_OK | X_OK) != 0) {
+    return "cannot create " + directory + ": " + ancestor + " is not a writable directory";
+  }
+  return "";
+}
+
 }  // namespace
 
 uint64_t Fnv1a64(const std::string& data, uint64_t seed) {
@@ -130,10 +169,10 @@ DiskCache& DiskCache::Global() {
   return *cache;
 }
 
-void DiskCache::Configure(const std::string& directory) {
+void DiskCache::Configure(const std::string& directory, const std::string& why_off) {
   std::lock_guard<std::mutex> lock(mu_);
   directory_ = directory;
-  problem_.clear();
+  problem_ = directory.empty() ? why_off : "";
   checked_ = false;
 }
 
@@ -144,7 +183,12 @@ std::string DiskCache::directory() const {
 
 std::string DiskCache::problem() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return problem_;
+  return CurrentProblem();
+}
+
+std::string DiskCache::CurrentProblem() const {
+  if (checked_ || directory_.empty()) return problem_;
+  return InspectDirectory(directory_);
 }
 
 bool DiskCache::Usable() {
@@ -155,25 +199,8 @@ bool DiskCache::Usable() {
     problem_ = "cannot create " + directory_ + ": " + std::strerror(errno);
     return false;
   }
-  struct stat st {};
-  if (stat(directory_.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    problem_ = directory_ + " is not a directory";
-    return false;
-  }
-  if (st.st_uid != geteuid()) {
-    problem_ = directory_ + " belongs to another user; kernels are not loaded from it";
-    return false;
-  }
-  if (st.st_mode & (S_IWGRP | S_IWOTH)) {
-    problem_ = directory_ + " is writable by other users; kernels are not loaded from it "
-               "(chmod 700 it to use it)";
-    return false;
-  }
-  if (access(directory_.c_str(), W_OK) != 0) {
-    problem_ = "cannot write to " + directory_ + ": " + std::strerror(errno);
-    return false;
-  }
-  return true;
+  problem_ = DirectoryProblem(directory_);
+  return problem_.empty();
 }
 
 std::string DiskCache::PathFor(const std::string& key) const {
@@ -231,7 +258,9 @@ void DiskCache::Store(const std::string& key, const std::string& binary) {
 std::vector<std::string> DiskCache::Keys() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> keys;
-  DIR* dir = directory_.empty() ? nullptr : opendir(directory_.c_str());
+  // Entries of a directory that is off are not read (another user may have written them).
+  DIR* dir = directory_.empty() || !CurrentProblem().empty() ? nullptr
+                                                             : opendir(directory_.c_str());
   if (dir == nullptr) return keys;
   while (const dirent* entry = readdir(dir)) {
     const std::string name = entry->d_name;

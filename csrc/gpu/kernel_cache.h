@@ -18,22 +18,25 @@ class DiskCache {
   static DiskCache& Global();
 
   // Uses `directory` (created 0700 if missing; checked on first use); "" turns disk caching
-  // off. A directory that fails the checks, or a failed write, turns it off too (problem()).
-  void Configure(const std::string& directory);
+  // off, for the reason `why_off` if one is given (a path that could not be resolved). A
+  // directory that fails the checks, or a failed write, turns it off too (problem()).
+  void Configure(const std::string& directory, const std::string& why_off = "");
   std::string directory() const;
-  // Empty while the disk cache works; otherwise why it is off (for one Python warning).
+  // Empty while the disk cache works; otherwise why it is off (for one Python warning and
+  // `python -m jaxfuse info`). Before first use, what the checks would find, creating nothing.
   std::string problem() const;
 
   // True and fills `binary` on a verified hit; false on a miss or a discarded bad file.
   bool Load(const std::string& key, std::string* binary);
   void Store(const std::string& key, const std::string& binary);
 
-  // The keys of every readable entry (for `python -m jaxfuse info`).
+  // The keys of every readable entry (for `python -m jaxfuse info`); none while it is off.
   std::vector<std::string> Keys() const;
 
  private:
   std::string PathFor(const std::string& key) const;
   bool Usable();  // with mu_ held
+  std::string CurrentProblem() const;  // with mu_ held
   mutable std::mutex mu_;
   std::string directory_;
   std::string problem_;

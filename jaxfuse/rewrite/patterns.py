@@ -135,10 +135,17 @@ def _is_negative(x: Pattern) -> Pattern:
     return one_of(op("lt", x, ZERO), op("le", x, ZERO), op("gt", ZERO, x), op("ge", ZERO, x))
 
 
-def _where_positive(x: Pattern, positive: Pattern, negative: Pattern) -> Pattern:
-    """``jnp.where(x > 0, positive, negative)``; select_n picks its cases by the predicate."""
-    return one_of(op("select_n", _is_positive(x), negative, positive),
-                  op("select_n", _is_negative(x), positive, negative))
+def _where_positive(x: Pattern, positive: Pattern, negative: Pattern,
+                    nan_takes: str | None = None) -> Pattern:
+    """``jnp.where(x > 0, positive, negative)``; select_n picks its cases by the predicate.
+
+    Every comparison with NaN is false, so a NaN x takes `negative` in the ``x > 0`` forms and
+    `positive` in the ``x < 0`` forms. `nan_takes` ("positive" or "negative") keeps only the
+    forms that give NaN the case the epilogue gives it; None keeps both (they agree on NaN).
+    """
+    forms = {"negative": op("select_n", _is_positive(x), negative, positive),
+             "positive": op("select_n", _is_negative(x), positive, negative)}
+    return forms[nan_takes] if nan_takes else one_of(*forms.values())
 
 
 # ----- steps ------------------------------------------------------------------------------------
@@ -211,8 +218,22 @@ def _cast(g: Graph, b: Binding) -> dict[str, Any] | str:
 
 
 _P = _Param("p")
-_SAFE_X = one_of(X, _where_positive(X, ZERO, X), comm("min", X, ZERO))  # x, or x clamped <= 0
-_EXPM1 = one_of(op("expm1", _SAFE_X), op("sub", op("exp", _SAFE_X), ONE))
+# x, or x clamped <= 0: with NaN kept, or any clamp (where(x < 0, x, 0) turns NaN into 0).
+_SAFE_X = one_of(X, _where_positive(X, ZERO, X, nan_takes="negative"), comm("min", X, ZERO))
+_ANY_SAFE_X = one_of(_SAFE_X, _where_positive(X, ZERO, X, nan_takes="positive"))
+
+
+def _expm1(safe_x: Pattern) -> Pattern:
+    return one_of(op("expm1", safe_x), op("sub", op("exp", safe_x), ONE))
+
+
+def _elu(negative: Callable[[Pattern], Pattern]) -> Pattern:
+    """``where(x > 0, x, negative(expm1(clamped x)))``. elu's NaN is NaN: where a NaN x takes
+    the negative case, the clamp must keep the NaN; where it takes x, any clamp will do."""
+    return one_of(_where_positive(X, X, negative(_expm1(_SAFE_X)), nan_takes="negative"),
+                  _where_positive(X, X, negative(_expm1(_ANY_SAFE_X)), nan_takes="positive"))
+
+
 _DIFF = one_of(op("sub", X, ZERO), X)
 _LOGADDEXP0 = comm("add", comm("max", X, ZERO), op("log1p", op("exp", op("neg", op("abs", _DIFF)))))
 
@@ -229,7 +250,11 @@ _TEMPLATES: tuple[_Template, ...] = (
     _Template("reshape", op("reshape", X), _simple("nop")),
     # Activations.
     _Template("relu", comm("max", X, ZERO), _activation(ActivationMode.RELU)),
-    _Template("relu", _where_positive(X, X, ZERO), _activation(ActivationMode.RELU)),
+    _Template("relu", _where_positive(X, X, ZERO, nan_takes="positive"),
+              _activation(ActivationMode.RELU)),
+    _Template("relu", _where_positive(X, X, ZERO, nan_takes="negative"),
+              lambda g, b: "where(x > 0, x, 0) turns NaN into 0 while relu keeps it "
+                           "(jax.nn.relu and jnp.maximum(x, 0) fuse)"),
     _Template("clip", comm("min", comm("max", X, ZERO), _Param("hi")),
               _activation(ActivationMode.CLIPPED_RELU, "hi")),
     _Template("clip", op("clamp", ZERO, X, _Param("hi")),
@@ -241,9 +266,9 @@ _TEMPLATES: tuple[_Template, ...] = (
               _activation(ActivationMode.LEAKY_RELU, "alpha")),
     _Template("leaky_relu", comm("max", X, comm("mul", X, _Param("alpha"))),
               _activation(ActivationMode.LEAKY_RELU, "alpha", _const_between("alpha", 0.0, 1.0))),
-    _Template("elu", _where_positive(X, X, comm("mul", _Param("alpha"), _EXPM1)),
+    _Template("elu", _elu(lambda expm1: comm("mul", _Param("alpha"), expm1)),
               _activation(ActivationMode.ELU, "alpha")),
-    _Template("elu", _where_positive(X, X, _EXPM1), _activation(ActivationMode.ELU)),
+    _Template("elu", _elu(lambda expm1: expm1), _activation(ActivationMode.ELU)),
     _Template("sigmoid", op("logistic", X), _activation(ActivationMode.LOGISTIC)),
     _Template("sigmoid", op("div", ONE, comm("add", ONE, op("exp", op("neg", X)))),
               _activation(ActivationMode.LOGISTIC)),

@@ -41,6 +41,8 @@ def batching_rule(bind: Bind) -> BatchingRule:
              signature: PlanSignature) -> tuple[jax.Array, int]:
         names = [spec.name for spec in signature.operands]
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        if size == 0:  # nothing to compute (and folding into channels would make 0 groups)
+            return jnp.zeros((0, *signature.output_shape), signature.dtype), 0
         # Vmapped axis first on every batched operand; unbatched ones keep their shape.
         moved = {name: (a if d is None else jnp.moveaxis(a, d, 0), d is not None)
                  for name, a, d in zip(names, args, dims)}
