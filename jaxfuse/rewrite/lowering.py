@@ -96,11 +96,21 @@ def emit(group: Group, read: Reader, g: Graph) -> jax.Array:
             args.set_bias_forward(handle, pre)
         elif op.letter == "N":
             pre, scale, post = _fold(op.steps, read, channels)
-            zeros = jnp.zeros((channels,), jnp.float32)
-            ones = jnp.ones((channels,), jnp.float32)
-            args.set_batchnorm_inference(
-                handle, ones if scale is None else scale, zeros if post is None else post,
-                zeros if pre is None else -pre, ones, epsilon=0.0)
+            # NumPy constants become literals of the program; jnp ones would be a kernel.
+            zeros, ones = np.zeros(channels, np.float32), np.ones(channels, np.float32)
+            mean = zeros if pre is None else -pre
+            shift = zeros if post is None else post
+            statistics = _batchnorm_statistics(op.steps, g)
+            if statistics is not None:
+                # The raw statistics: the kernel folds them itself, so no per-channel vector
+                # is computed in a kernel of its own on every call (the folded one is dead).
+                bn_scale, variance, epsilon = statistics
+                bn_scale = ones if bn_scale is None else _vector(read(bn_scale), channels)
+                args.set_batchnorm_inference(handle, bn_scale, shift, mean,
+                                             _vector(read(variance), channels), epsilon)
+            else:
+                args.set_batchnorm_inference(handle, ones if scale is None else scale, shift,
+                                             mean, ones, epsilon=0.0)
         elif op.letter == "S":
             step = op.steps[0]
             z = jnp.broadcast_to(jnp.asarray(read(step.operand.value)), out_desc.shape)
@@ -152,6 +162,67 @@ def _fold(steps: tuple[Step, ...], read: Reader, channels: int) -> tuple[Any, An
         else:
             raise AssertionError(step.op)
     return pre, scale, post
+
+
+# Ops that only reshape, broadcast or widen a per-channel vector.
+_PASSTHROUGH = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy",
+                "convert_element_type"}
+
+
+def _strip(value: Value) -> Value:
+    """`value` before any reshapes, broadcasts and conversions to float32."""
+    while value.producer is not None and value.producer.name in _PASSTHROUGH:
+        node = value.producer
+        if node.name == "convert_element_type" and value.dtype != np.float32:
+            break
+        value = node.inputs[0]
+    return value
+
+
+def _inverse_root(value: Value, g: Graph, op: str) -> tuple[Value, float] | None:
+    """(var, eps) when `value` is ``op(var + eps)`` (op "rsqrt" or "sqrt") with a constant
+    eps, else None."""
+    node = _strip(value).producer
+    if node is None or node.name != op:
+        return None
+    total = _strip(node.inputs[0]).producer
+    if total is None or total.name != "add":
+        return None
+    for var, eps in (total.inputs, reversed(total.inputs)):
+        constant = g.uniform_constant(eps)
+        if constant is not None and g.constant(var) is None:
+            return _strip(var), constant
+    return None
+
+
+def _batchnorm_statistics(steps: tuple[Step, ...],
+                          g: Graph) -> tuple[Value | None, Value, float] | None:
+    """(scale or None, var, eps) when the multiplicative steps are batch norm's
+    ``scale * rsqrt(var + eps)`` (flax's form, as one factor) or ``scale / sqrt(var + eps)``
+    (written out), so the kernel can take the statistics themselves; else None."""
+    factors = [s for s in steps if s.op in ("mul", "div", "rsub", "neg")]
+    if not factors or any(s.op in ("rsub", "neg") for s in factors) or \
+            any(s.operand is None or s.operand.kind == "full" for s in factors):
+        return None
+    if len(factors) == 1 and factors[0].op == "mul":
+        product = _strip(factors[0].operand.value)
+        root = _inverse_root(product, g, "rsqrt")
+        if root is not None:
+            return None, *root
+        node = product.producer
+        if node is None or node.name != "mul":
+            return None
+        for scale, other in (node.inputs, reversed(node.inputs)):
+            root = _inverse_root(other, g, "rsqrt")
+            if root is not None and g.constant(scale) is None:
+                return _strip(scale), *root
+        return None
+    if len(factors) == 2 and {s.op for s in factors} == {"mul", "div"}:
+        scale = next(s for s in factors if s.op == "mul").operand.value
+        root = _inverse_root(next(s for s in factors if s.op == "div").operand.value, g, "sqrt")
+        if root is not None and g.constant(scale) is None:
+            return _strip(scale), *root
+    return None
 
 
 def _scalar(p: Value | float | None, read: Reader, g: Graph) -> Any:
