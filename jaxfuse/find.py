@@ -123,8 +123,8 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
         for name, make in ((FUSED, fused_function), (XLA, xla_function)):
             try:
                 harness = Harness.compile(make(signature), sets, device)
-                outputs[name] = harness.first_output()
-                times[name] = harness.seconds_per_run() * 1e6
+                outputs[name], seconds = harness.run()
+                times[name] = seconds * 1e6
             except Exception as err:
                 failures[name] = _first_line(err)
                 logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,

@@ -35,11 +35,13 @@ from .signature import SCALARS, PlanSignature
 __all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "relative_error",
            "set_count"]
 
-# What the K input sets may take, in bytes; how many timed runs (at least, and at most while
-# the time budget lasts).
-_SET_BUDGET = {"cpu": 64 << 20, "gpu": 256 << 20}
+# What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
+# millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
+# (at least, and at most while the time budget lasts).
+_SET_BUDGET = {"cpu": 4 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
-_MIN_RUNS, _MAX_RUNS = 5, 20
+_MIN_RUNS = {"cpu": 3, "gpu": 5}
+_MAX_RUNS = 20
 _BUDGET_SECONDS = {"cpu": 0.1, "gpu": 0.05}
 
 # The runtime scalars candidates are timed with: meaningful for every activation mode.
@@ -145,25 +147,23 @@ class Harness:
         with contextlib.suppress(Exception):  # also at interpreter exit
             _delete_stopwatch(self.stopwatch)
 
-    def first_output(self) -> jax.Array:
-        """The candidate's result on the first input set (to check candidates agree)."""
-        return self.run_all(list(self.sets))[0][0]
-
-    def seconds_per_run(self) -> float:
-        """Median seconds per run of the candidate (see the class docstring)."""
+    def run(self) -> tuple[jax.Array, float]:
+        """The candidate's result on the first input set (to check candidates agree), and its
+        median seconds per run (see the class docstring). The first run, which also loads
+        modules and allocates, is not timed."""
         sets = list(self.sets)
-        jax.block_until_ready(self.run_all(sets))  # first run: allocations, module loads
-        rounds: list[float] = []
+        first = jax.block_until_ready(self.run_all(sets))[0][0]
+        runs: list[float] = []
         deadline = time.perf_counter() + _BUDGET_SECONDS[self.platform]
-        while len(rounds) < _MIN_RUNS or (len(rounds) < _MAX_RUNS and
-                                          time.perf_counter() < deadline):
+        while len(runs) < _MIN_RUNS[self.platform] or (len(runs) < _MAX_RUNS and
+                                                       time.perf_counter() < deadline):
             start = time.perf_counter()
             jax.block_until_ready(self.run_all(sets))
             seconds = time.perf_counter() - start
             if self.stopwatch is not None:
                 seconds = extension().stopwatch_ms(self.stopwatch) * 1e-3
-            rounds.append(seconds / len(sets))
-        return statistics.median(rounds)
+            runs.append(seconds / len(sets))
+        return first, statistics.median(runs)
 
 
 def _new_stopwatch(device: Any) -> int:

@@ -33,8 +33,12 @@ MODELS = {"resnet50": resnet50, "mobilenet": mobilenet}
 
 
 def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: int = 7) -> float:
-    """Median over repeats of (time of `calls` back-to-back calls) / calls."""
+    """Median over repeats of (time of up to `calls` back-to-back calls) / calls; slow programs
+    get fewer calls per repeat (about 50 ms each)."""
     jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    calls = int(min(calls, max(1, 0.05 // max(time.perf_counter() - start, 1e-6))))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -68,6 +72,8 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
             row[f"{mode}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
             continue
         programs[mode] = fused
+        if mode == "auto":  # which chains run fused, which XLA's, and the measured times
+            print(f"{model_name} N={batch} {dtype}:\n{report.summary()}", file=sys.stderr)
         row.update({
             f"{mode}_fused_groups": len(report.fused), f"{mode}_to_xla": len(report.to_xla),
             f"{mode}_left_alone": len(report.left_alone),
