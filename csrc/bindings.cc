@@ -72,6 +72,12 @@ NB_MODULE(_jaxfuse_ext, m) {
     return std::string("cpu");
   }, nb::arg("plan"), "Validates a plan signature for the CPU backend.");
 
+  m.def("plan_canonical", [](std::string_view plan) {
+    return jaxfuse::LookupPlan(plan)->canonical;
+  }, nb::arg("plan"),
+     "The plan's canonical form (what cache keys and generated kernels use); raises ValueError\n"
+     "if it is malformed.");
+
   m.def("cpu_threads", &jaxfuse::cpu::NumThreads, "Threads the CPU kernels use.");
 
   m.def("gpu_configure", [](const std::string& cache_dir,

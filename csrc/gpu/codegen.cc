@@ -130,7 +130,9 @@ std::string PlanEpilogue(const PlanSpec& spec) {
 std::string TranslationUnit(const PlanSpec& spec, const std::string& extra_constants,
                             const std::vector<const char*>& kernel_files) {
   Text s;
-  s << "// jaxfuse kernel for plan: " << spec.text << "\n"
+  // The canonical form, never the text the plan was parsed from: nothing of a plan reaches the
+  // compiler except enums and integers the parser produced.
+  s << "// jaxfuse kernel for plan: " << spec.canonical << "\n"
     << "#include \"portable.h\"\n#include \"params.h\"\n#include \"epilogue.h\"\n\n"
     << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n";
   if (!extra_constants.empty()) {
