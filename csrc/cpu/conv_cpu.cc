@@ -453,10 +453,10 @@ JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
   using M = MaskOf<V>;
   const V zero = V{};
   if constexpr (Mode == kRelu || Mode == kClippedRelu) {
-    const V r = (V)((M)x & (x > zero));
+    const V r = (V)((M)x & ~(x < zero));  // x < 0 ? 0 : x, so NaN passes
     if constexpr (Mode == kRelu) return r;
-    const M below = r < alpha;
-    return (V)(((M)r & below) | ((M)alpha & ~below));
+    const M clip = (r > alpha) | (alpha != alpha);
+    return (V)(((M)alpha & clip) | ((M)r & ~clip));
   } else if constexpr (Mode == kLeakyRelu) {
     const M positive = x > zero;
     return (V)(((M)x & positive) | ((M)(alpha * x) & ~positive));
