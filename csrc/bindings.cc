@@ -67,10 +67,9 @@ NB_MODULE(_jaxfuse_ext, m) {
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
 
   m.def("cpu_prepare", [](std::string_view plan) {
-    // Parses and validates once; raises ValueError if malformed or refused by the CPU backend.
-    jaxfuse::cpu::CheckSupported(*jaxfuse::LookupPlan(plan));
-    return std::string("cpu");
-  }, nb::arg("plan"), "Validates a plan signature for the CPU backend.");
+    // Parses and validates once; raises ValueError if malformed.
+    return std::string(jaxfuse::cpu::SolverName(*jaxfuse::LookupPlan(plan)));
+  }, nb::arg("plan"), "Validates a plan signature for the CPU backend; the code that runs it.");
 
   m.def("plan_canonical", [](std::string_view plan) {
     return jaxfuse::LookupPlan(plan)->canonical;
