@@ -448,15 +448,16 @@ class NchwRows {
 template <class V>
 using MaskOf = decltype(V{} > V{});
 
-// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h).
+// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h,
+// NaN inputs passing through; a NaN alpha takes the scalar store, see RunConvolution).
 template <int Mode, class V>
 JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
   using M = MaskOf<V>;
   const V zero = V{};
   if constexpr (Mode == kRelu || Mode == kClippedRelu) {
-    const V r = (V)((M)x & ~(x < zero));  // x < 0 ? 0 : x, so NaN passes
+    const V r = (V)((M)x & ~(x < zero));  // x < 0 ? 0 : x
     if constexpr (Mode == kRelu) return r;
-    const M clip = (r > alpha) | (alpha != alpha);
+    const M clip = r > alpha;  // false for NaN
     return (V)(((M)alpha & clip) | ((M)r & ~clip));
   } else if constexpr (Mode == kLeakyRelu) {
     const M positive = x > zero;
@@ -783,6 +784,11 @@ void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue
   job.cv = &cv;
   job.ep = &ep;
   job.single = !cv.nchw && spec.dtype == DType::kF32 ? ep.single_pass() : nullptr;
+  // clipped_relu with a NaN alpha (all NaN) takes the scalar store: ActivateVec keeps one
+  // comparison, as it had before NaN alphas propagated (a second one cost the tiles ~7%).
+  const bool nan_clip = job.single && job.single->activation == kClippedRelu &&
+                        job.single->alpha != job.single->alpha;
+  if (nan_clip) job.single = nullptr;
   job.y = static_cast<float*>(buf.y);
   job.side = static_cast<const float*>(buf.side);
   job.max_pix = level == CpuLevel::kAvx512 ? Avx512::kMaxPix
