@@ -80,10 +80,15 @@ NB_MODULE(_jaxfuse_ext, m) {
   m.def("stopwatch_delete", &jaxfuse::gpu::DeleteStopwatch, nb::arg("id"));
 
   m.def("cpu_prepare", [](std::string_view plan) {
-    // Parses and validates once; raises ValueError if malformed or refused by the CPU backend.
-    jaxfuse::cpu::CheckSupported(*jaxfuse::LookupPlan(plan));
-    return std::string("cpu");
-  }, nb::arg("plan"), "Validates a plan signature for the CPU backend.");
+    // Parses and validates once; raises ValueError if malformed.
+    return std::string(jaxfuse::cpu::SolverName(*jaxfuse::LookupPlan(plan)));
+  }, nb::arg("plan"), "Validates a plan signature for the CPU backend; the code that runs it.");
+
+  m.def("plan_canonical", [](std::string_view plan) {
+    return jaxfuse::LookupPlan(plan)->canonical;
+  }, nb::arg("plan"),
+     "The plan's canonical form (what cache keys and generated kernels use); raises ValueError\n"
+     "if it is malformed.");
 
   m.def("cpu_threads", &jaxfuse::cpu::NumThreads, "Threads the CPU kernels use.");
 

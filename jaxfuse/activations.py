@@ -122,8 +122,9 @@ def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, ga
         return jax.nn.softplus(x)
     if mode is ActivationMode.CLIPPED_RELU:
         # Where the clip is active the value is alpha itself, so alpha gets the gradient there.
+        # NaN in x passes through (as jnp.minimum's does); NaN in alpha fails `r < alpha`.
         r = jax.nn.relu(x)
-        return jnp.where(r < alpha, r, alpha)
+        return jnp.where((r < alpha) | jnp.isnan(r), r, alpha)
     if mode is ActivationMode.LEAKY_RELU:
         return jax.nn.leaky_relu(x, alpha)
     if mode is ActivationMode.ELU:

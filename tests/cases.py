@@ -167,3 +167,16 @@ def run_case(case: Case, device: Any, seed: int = 0, jit: bool = True,
     err = relative_error(out, ref)
     assert err <= case.tolerance(device), f"{case}: relative error {err:.3g}"
     return err
+
+
+def assert_matches_with_nonfinite(out: Any, ref: np.ndarray, tol: float) -> None:
+    """NaN exactly where the reference has NaN, the same infinities, the rest within `tol`."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert out.shape == ref.shape
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), "NaN positions differ")
+    inf = np.isinf(ref)
+    np.testing.assert_array_equal(out[inf], ref[inf], "infinities differ")
+    finite = np.isfinite(ref)
+    assert np.isfinite(out[finite]).all(), "non-finite output where the reference is finite"
+    err = np.linalg.norm(out[finite] - ref[finite]) / max(np.linalg.norm(ref[finite]), 1e-30)
+    assert err <= tol, f"relative error {err:.3g}"

@@ -144,7 +144,10 @@ def _lies(plan: str) -> list[tuple[str, str]]:
         (plan + ";", "has no '='"),
         (plan[: len(plan) // 2], "invalid jaxfuse plan"),
         ("", "version tag"),
-        ("jaxfuse1;dtype=f32;layout=NCHW;in=1,1,1,1;ops=A;act=3\x00garbage", "non-integer"),
+        ("jaxfuse1;dtype=f32;layout=NCHW;in=1,1,1,1;ops=A;act=3\x00garbage",
+         "'act' has a character outside the plan grammar (\\x00 at offset 5)"),
+        (edit("act=3", "act=\n#error X\n;act=3"), "'act' has a character outside the plan"),
+        (edit("ops=CBNSA", "ops=CBNSA;ops=CBNSA"), "field 'ops' is repeated"),
     ]
 
 

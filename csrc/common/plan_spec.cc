@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <initializer_list>
 #include <limits>
+#include <iterator>
 #include <stdexcept>
 
 #include "kernels/epilogue.h"
@@ -48,6 +51,70 @@ int64_t ParseInt(std::string_view field, std::string_view text, int64_t lo, int6
   return value;
 }
 
+// Plans are short (a full convolution plan is under 300 characters).
+constexpr size_t kMaxTextLength = 1024;
+
+// The characters the grammar uses: separators, letters, digits, '-' (negative padding) and '_'
+// (per_activation). Nothing else, so no newline, control character, '#', quote or non-ASCII
+// byte ever passes the parser.
+bool InGrammar(char ch) {
+  return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+         ch == ';' || ch == '=' || ch == ',' || ch == '-' || ch == '_';
+}
+
+// Refuses field `index` if it has a character outside the grammar, naming the field by its key
+// when the character comes after the '=' (the key is then all grammar characters).
+void CheckCharacters(std::string_view field, size_t index) {
+  for (size_t i = 0; i < field.size(); ++i) {
+    if (InGrammar(field[i])) continue;
+    const unsigned char ch = static_cast<unsigned char>(field[i]);
+    char code[8];  // printable ASCII quoted, anything else as a \x escape
+    std::snprintf(code, sizeof(code), ch > 0x20 && ch < 0x7f ? "'%c'" : "\\x%02x", ch);
+    const size_t eq = field.find('=');
+    const std::string name = index == 0 ? "the version tag"
+                             : eq < i   ? "'" + std::string(field.substr(0, eq)) + "'"
+                                        : "field " + std::to_string(index);
+    Fail(name + " has a character outside the plan grammar (" + code + " at offset " +
+         std::to_string(i) + ")");
+  }
+}
+
+const char* FilterLayoutName(FilterLayout layout) {
+  switch (layout) {
+    case FilterLayout::kOIHW: return "OIHW";
+    case FilterLayout::kHWIO: return "HWIO";
+    case FilterLayout::kOHWI: return "OHWI";
+  }
+  return "?";
+}
+
+// The canonical form: jaxfuse.PlanSignature.encode()'s field order and spelling.
+std::string Canonical(const PlanSpec& spec) {
+  auto join = [](std::initializer_list<int64_t> values) {
+    std::string out;
+    for (int64_t v : values) out += (out.empty() ? "" : ",") + std::to_string(v);
+    return out;
+  };
+  const char* dtype = spec.dtype == DType::kF32 ? "f32" : spec.dtype == DType::kF16 ? "f16"
+                                                                                     : "bf16";
+  std::string out = std::string("jaxfuse1;dtype=") + dtype +
+                    ";layout=" + (spec.layout == Layout::kNCHW ? "NCHW" : "NHWC") +
+                    ";in=" + join({spec.n, spec.c, spec.h, spec.w}) + ";ops=";
+  if (spec.has_conv) out += 'C';
+  for (PointwiseOp op : spec.pointwise) out += static_cast<char>(op);
+  if (spec.has_conv) {
+    const ConvGeometry& g = spec.conv;
+    out += ";conv=" + join({g.k, g.r, g.s, g.stride_h, g.stride_w, g.pad_t, g.pad_b, g.pad_l,
+                            g.pad_r, g.dil_h, g.dil_w, g.groups}) +
+           "," + FilterLayoutName(g.filter_layout) + "," + (g.allow_tf32 ? "1" : "0");
+  }
+  if (spec.bn != BnMode::kNone) {
+    out += spec.bn == BnMode::kSpatial ? ";bn=spatial" : ";bn=per_activation";
+  }
+  if (spec.has(PointwiseOp::kActivation)) out += ";act=" + std::to_string(spec.activation);
+  return out;
+}
+
 }  // namespace
 
 size_t dtype_size(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
@@ -85,53 +152,53 @@ std::vector<PlanSpec::Operand> PlanSpec::operands() const {
 }
 
 PlanSpec PlanSpec::Parse(std::string_view text) {
-  PlanSpec spec;
-  spec.text = std::string(text);
-  std::vector<std::string_view> fields = Split(text, ';');
-  if (fields.empty() || fields[0] != "jaxfuse1") Fail("missing the 'jaxfuse1' version tag");
-  bool seen_dtype = false, seen_layout = false, seen_in = false, seen_ops = false;
-  std::string_view ops_text, conv_text, bn_text, act_text;
-  for (size_t i = 1; i < fields.size(); ++i) {
-    std::string_view field = fields[i];
-    size_t eq = field.find('=');
-    if (eq == std::string_view::npos) Fail("field '" + std::string(field) + "' has no '='");
-    std::string_view key = field.substr(0, eq), value = field.substr(eq + 1);
-    if (key == "dtype") {
-      seen_dtype = true;
-      if (value == "f32") spec.dtype = DType::kF32;
-      else if (value == "f16") spec.dtype = DType::kF16;
-      else if (value == "bf16") spec.dtype = DType::kBF16;
-      else Fail("unknown dtype '" + std::string(value) + "'");
-    } else if (key == "layout") {
-      seen_layout = true;
-      if (value == "NCHW") spec.layout = Layout::kNCHW;
-      else if (value == "NHWC") spec.layout = Layout::kNHWC;
-      else Fail("unknown layout '" + std::string(value) + "'");
-    } else if (key == "in") {
-      seen_in = true;
-      auto dims = Split(value, ',');
-      if (dims.size() != 4) Fail("'in' needs 4 dimensions (N,C,H,W)");
-      spec.n = ParseInt("in", dims[0], 0, kMaxDim);
-      spec.c = ParseInt("in", dims[1], 1, kMaxDim);
-      spec.h = ParseInt("in", dims[2], 1, kMaxDim);
-      spec.w = ParseInt("in", dims[3], 1, kMaxDim);
-    } else if (key == "ops") {
-      seen_ops = true;
-      ops_text = value;
-    } else if (key == "conv") {
-      conv_text = value;
-    } else if (key == "bn") {
-      bn_text = value;
-    } else if (key == "act") {
-      act_text = value;
-    } else {
-      Fail("unknown field '" + std::string(key) + "'");
-    }
+  if (text.size() > kMaxTextLength) {
+    Fail("the plan is " + std::to_string(text.size()) + " characters long; at most " +
+         std::to_string(kMaxTextLength) + " are allowed");
   }
-  if (!seen_dtype || !seen_layout || !seen_in || !seen_ops) {
+  PlanSpec spec;
+  std::vector<std::string_view> fields = Split(text, ';');
+  for (size_t i = 0; i < fields.size(); ++i) CheckCharacters(fields[i], i);
+  if (fields[0] != "jaxfuse1") Fail("missing the 'jaxfuse1' version tag");
+  // Each field at most once: with a repeated one, only one value would be validated.
+  struct Field {
+    std::string_view key, value;
+    bool seen = false;
+  };
+  Field named[] = {{"dtype", {}}, {"layout", {}}, {"in", {}}, {"ops", {}},
+                   {"conv", {}},  {"bn", {}},     {"act", {}}};
+  for (size_t i = 1; i < fields.size(); ++i) {
+    const size_t eq = fields[i].find('=');
+    if (eq == std::string_view::npos) Fail("field '" + std::string(fields[i]) + "' has no '='");
+    const std::string_view key = fields[i].substr(0, eq), value = fields[i].substr(eq + 1);
+    Field* field = std::find_if(std::begin(named), std::end(named),
+                                [&](const Field& f) { return f.key == key; });
+    if (field == std::end(named)) Fail("unknown field '" + std::string(key) + "'");
+    if (field->seen) Fail("field '" + std::string(key) + "' is repeated");
+    if (value.empty()) Fail("'" + std::string(key) + "' is empty");
+    field->seen = true;
+    field->value = value;
+  }
+  const std::string_view dtype_text = named[0].value, layout_text = named[1].value,
+                         in_text = named[2].value, ops_text = named[3].value,
+                         conv_text = named[4].value, bn_text = named[5].value,
+                         act_text = named[6].value;
+  if (dtype_text.empty() || layout_text.empty() || in_text.empty() || ops_text.empty()) {
     Fail("needs dtype, layout, in and ops fields");
   }
-  if (ops_text.empty()) Fail("'ops' is empty");
+  if (dtype_text == "f32") spec.dtype = DType::kF32;
+  else if (dtype_text == "f16") spec.dtype = DType::kF16;
+  else if (dtype_text == "bf16") spec.dtype = DType::kBF16;
+  else Fail("unknown dtype '" + std::string(dtype_text) + "'");
+  if (layout_text == "NCHW") spec.layout = Layout::kNCHW;
+  else if (layout_text == "NHWC") spec.layout = Layout::kNHWC;
+  else Fail("unknown layout '" + std::string(layout_text) + "'");
+  auto dims = Split(in_text, ',');
+  if (dims.size() != 4) Fail("'in' needs 4 dimensions (N,C,H,W)");
+  spec.n = ParseInt("in", dims[0], 0, kMaxDim);
+  spec.c = ParseInt("in", dims[1], 1, kMaxDim);
+  spec.h = ParseInt("in", dims[2], 1, kMaxDim);
+  spec.w = ParseInt("in", dims[3], 1, kMaxDim);
 
   std::string seen;
   for (size_t i = 0; i < ops_text.size(); ++i) {
@@ -216,6 +283,7 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
                                      : 0.0}) {
     if (count > limit) Fail("a tensor has too many elements");
   }
+  spec.canonical = Canonical(spec);
   return spec;
 }
 

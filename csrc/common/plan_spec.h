@@ -31,7 +31,11 @@ struct ConvGeometry {
 };
 
 struct PlanSpec {
-  std::string text;  // the string this was parsed from (a cache key)
+  // The plan re-serialized from the parsed fields (jaxfuse.PlanSignature.encode()'s form):
+  // the only string form of a plan used in cache keys and generated source. Built from enums
+  // and integers, so it holds no byte of the parsed text, and two spellings of one plan (fields
+  // in another order, "007" for "7") have one canonical form.
+  std::string canonical;
   DType dtype = DType::kF32;
   Layout layout = Layout::kNCHW;
   int64_t n = 0, c = 0, h = 0, w = 0;
@@ -43,7 +47,8 @@ struct PlanSpec {
   // Derived: output channels and spatial size.
   int64_t out_c = 0, out_h = 0, out_w = 0;
 
-  // Throws std::invalid_argument with a message naming the bad field.
+  // Throws std::invalid_argument with a message naming the bad field. The grammar is strict:
+  // known fields, each at most once, values built only of letters, digits, ',', '-' and '_'.
   static PlanSpec Parse(std::string_view text);
 
   bool has(PointwiseOp op) const;

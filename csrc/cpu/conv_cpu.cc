@@ -1,7 +1,7 @@
 // The CPU convolution as an implicit GEMM. Output pixels x output channels are computed in
 // register tiles (up to 14 pixels x 32 channels with AVX-512, 6 x 16 with AVX2), reading the
 // input as float32 NHWC (the caller's buffer itself when it already is that and unpadded, else
-// a padded copy) and the filters as rows of one tile's channels (the caller's HWIO buffer
+// a padded copy, which UsesPaddedCopy bounds) and the filters as rows of one tile's channels (the caller's HWIO buffer
 // itself when it can, else a packed copy). A tile covers part of one output row, or two whole
 // rows when rows are short (7x7 layers), so small images keep the registers full. Each task
 // owns a block of tiles and a range of channel blocks, sized so that its input rows and one
@@ -21,6 +21,7 @@
 #include <unistd.h>
 #endif
 
+#include "cpu/conv_direct_cpu.h"
 #include "cpu/convert.h"
 #include "cpu/multiversion.h"
 #include "cpu/thread_pool.h"
@@ -447,16 +448,17 @@ class NchwRows {
 template <class V>
 using MaskOf = decltype(V{} > V{});
 
-// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h).
+// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h,
+// NaN inputs passing through; a NaN alpha takes the scalar store, see RunConvolution).
 template <int Mode, class V>
 JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
   using M = MaskOf<V>;
   const V zero = V{};
   if constexpr (Mode == kRelu || Mode == kClippedRelu) {
-    const V r = (V)((M)x & (x > zero));
+    const V r = (V)((M)x & ~(x < zero));  // x < 0 ? 0 : x
     if constexpr (Mode == kRelu) return r;
-    const M below = r < alpha;
-    return (V)(((M)r & below) | ((M)alpha & ~below));
+    const M clip = r > alpha;  // false for NaN
+    return (V)(((M)alpha & clip) | ((M)r & ~clip));
   } else if constexpr (Mode == kLeakyRelu) {
     const M positive = x > zero;
     return (V)(((M)x & positive) | ((M)(alpha * x) & ~positive));
@@ -755,7 +757,22 @@ CpuLevel DetectCpuLevel() {
   return best;
 }
 
+bool UsesPaddedCopy(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  const double padded = double(spec.n) * spec.c * double(spec.h + g.pad_t + g.pad_b) *
+                        double(spec.w + g.pad_l + g.pad_r);
+  const double tensors = double(spec.input_elements()) + double(spec.filter_elements()) +
+                         double(spec.output_elements());
+  // Ordinary padding (a few pixels, dilated "SAME") is a few percent of x; small problems
+  // keep the fast path up to 4 MiB of copy whatever their padding.
+  return padded <= 4 * tensors + double(1 << 20);
+}
+
 void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue& ep) {
+  if (!UsesPaddedCopy(spec)) {
+    RunDirectConvolution(spec, buf, ep);
+    return;
+  }
   const Conv cv(spec);
   if (cv.cg == 1 && cv.kg == 1) {
     RunDepthwise(spec, cv, buf, ep);
@@ -767,6 +784,11 @@ void RunConvolution(const PlanSpec& spec, const FusedParams& buf, const Epilogue
   job.cv = &cv;
   job.ep = &ep;
   job.single = !cv.nchw && spec.dtype == DType::kF32 ? ep.single_pass() : nullptr;
+  // clipped_relu with a NaN alpha (all NaN) takes the scalar store: ActivateVec keeps one
+  // comparison, as it had before NaN alphas propagated (a second one cost the tiles ~7%).
+  const bool nan_clip = job.single && job.single->activation == kClippedRelu &&
+                        job.single->alpha != job.single->alpha;
+  if (nan_clip) job.single = nullptr;
   job.y = static_cast<float*>(buf.y);
   job.side = static_cast<const float*>(buf.side);
   job.max_pix = level == CpuLevel::kAvx512 ? Avx512::kMaxPix

@@ -312,24 +312,40 @@ Epilogue::Epilogue(const PlanSpec& spec, const FusedParams& buffers)
         for (int64_t c = 0; c < channels; ++c) shift[c] += buffers.bias[c];
         break;
       case PointwiseOp::kBatchNorm: {
-        const float eps = s[kBnEpsilon];
-        if (spec.bn == BnMode::kSpatial) {
+        // Per channel (or parameter element) v -> (v - center) * mul + add, kernels/
+        // epilogue.h's bn_fold. Plain folds (center 0) compose with the pending affine step;
+        // if any is not plain, the centering is applied first, as a step of its own.
+        const int64_t n = spec.bn_param_elements();
+        std::vector<float> center(n), mul(n), add(n);
+        bool plain = true;
+        for (int64_t i = 0; i < n; ++i) {
+          const BnFold f = bn_fold(buffers.bn_scale[i], buffers.bn_shift[i], buffers.bn_mean[i],
+                                   buffers.bn_var[i], s[kBnEpsilon]);
+          center[i] = f.center;
+          mul[i] = f.mul;
+          add[i] = f.add;
+          plain = plain && f.plain();
+        }
+        if (spec.bn == BnMode::kSpatial && plain) {
           start(1.0f);
           for (int64_t c = 0; c < channels; ++c) {
-            const float f = bn_fold_scale(buffers.bn_scale[c], buffers.bn_var[c], eps);
-            const float g = bn_fold_shift(buffers.bn_shift[c], buffers.bn_mean[c], f);
-            scale[c] *= f;
-            shift[c] = shift[c] * f + g;
+            scale[c] *= mul[c];
+            shift[c] = shift[c] * mul[c] + add[c];
           }
+        } else if (spec.bn == BnMode::kSpatial) {
+          start(1.0f);
+          for (int64_t c = 0; c < channels; ++c) shift[c] -= center[c];
+          flush();
+          scale = std::move(mul);
+          shift = std::move(add);
+          pending = true;
         } else {
           flush();
-          const int64_t n = spec.bn_param_elements();
-          std::vector<float> f(n), g(n);
-          for (int64_t i = 0; i < n; ++i) {
-            f[i] = bn_fold_scale(buffers.bn_scale[i], buffers.bn_var[i], eps);
-            g[i] = bn_fold_shift(buffers.bn_shift[i], buffers.bn_mean[i], f[i]);
+          if (!plain) {
+            for (float& c : center) c = -c;
+            push(EpilogueStage::kParamAffine, std::vector<float>(n, 1.0f), std::move(center));
           }
-          push(EpilogueStage::kParamAffine, std::move(f), std::move(g));
+          push(EpilogueStage::kParamAffine, std::move(mul), std::move(add));
         }
         break;
       }

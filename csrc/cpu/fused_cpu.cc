@@ -3,10 +3,7 @@
 #include "cpu/fused_cpu.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 
 #include "common/debug.h"
 #include "cpu/conv_cpu.h"
@@ -76,39 +73,14 @@ void RunPointwise(const PlanSpec& spec, const FusedParams& buf, const Epilogue& 
   });
 }
 
-std::string Approx(double value) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.3g", value);
-  return buf;
-}
-
 }  // namespace
 
-// Some convolutions read a zero-padded float32 copy of the input (conv_cpu.cc). With strides
-// or dilation that skip most of a huge padding, that copy could be far larger than anything the
-// convolution reads (gigabytes of zeros, or more than the address space); such plans are
-// refused. Ordinary padding (a few pixels, or dilated "SAME" padding) is far below the bound.
-void CheckSupported(const PlanSpec& spec) {
-  if (!spec.has_conv) return;
-  const ConvGeometry& g = spec.conv;
-  const double hp = double(spec.h) + g.pad_t + g.pad_b, wp = double(spec.w) + g.pad_l + g.pad_r;
-  const double padded = double(spec.n) * hp * wp * spec.c;
-  const double reads =
-      double(spec.n) * spec.c * (double(spec.out_h) * spec.out_w * g.r * g.s + spec.h * spec.w);
-  if (padded > 16 * reads + double(1 << 24)) {
-    throw std::invalid_argument(
-        "jaxfuse CPU backend: the padding (" + std::to_string(g.pad_t) + ", " +
-        std::to_string(g.pad_b) + ", " + std::to_string(g.pad_l) + ", " +
-        std::to_string(g.pad_r) + ") is too large for a " + std::to_string(spec.h) + "x" +
-        std::to_string(spec.w) + " input with strides " + std::to_string(g.stride_h) + "x" +
-        std::to_string(g.stride_w) + ": the padded copy of the input would hold " +
-        Approx(padded) + " values, almost all never read");
-  }
+const char* SolverName(const PlanSpec& spec) {
+  return spec.has_conv && !UsesPaddedCopy(spec) ? "cpu_direct" : "cpu";
 }
 
 void RunFused(const PlanSpec& spec, const FusedParams& buffers) {
   if (spec.output_elements() == 0) return;
-  CheckSupported(spec);
   if (PoisonOutputs()) {
     std::memset(buffers.y, 0xff, spec.output_elements() * dtype_size(spec.dtype));
   }

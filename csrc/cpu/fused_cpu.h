@@ -7,11 +7,11 @@
 
 namespace jaxfuse::cpu {
 
-// Throws std::invalid_argument if the CPU backend refuses the plan (see fused_cpu.cc).
-void CheckSupported(const PlanSpec& spec);
+// Which CPU code runs the plan, for kernel_info: "cpu" (the implicit GEMM, or a pass over the
+// input without a convolution) or "cpu_direct" (conv_direct_cpu.h). Every valid plan has one.
+const char* SolverName(const PlanSpec& spec);
 
-// Runs the plan. Throws std::invalid_argument for a plan CheckSupported refuses and
-// std::runtime_error on an internal failure (e.g. out of memory).
+// Runs the plan. Throws std::runtime_error on an internal failure (e.g. out of memory).
 void RunFused(const PlanSpec& spec, const FusedParams& buffers);
 
 }  // namespace jaxfuse::cpu

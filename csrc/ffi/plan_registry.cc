@@ -14,12 +14,18 @@ std::shared_ptr<const PlanSpec> LookupPlan(std::string_view text) {
   // Per thread, by the address of the attribute's characters (stable for an executable's
   // lifetime; the contents are compared too, in case the memory was reused): no allocation or
   // string hashing on the execute path.
-  thread_local std::unordered_map<const char*, std::shared_ptr<const PlanSpec>> recent;
-  if (auto it = recent.find(text.data()); it != recent.end() && it->second->text == text) {
-    return it->second;
+  struct Recent {
+    std::string text;
+    std::shared_ptr<const PlanSpec> spec;
+  };
+  thread_local std::unordered_map<const char*, Recent> recent;
+  if (auto it = recent.find(text.data()); it != recent.end() && it->second.text == text) {
+    return it->second.spec;
   }
   if (recent.size() > 4096) recent.clear();
-  return recent[text.data()] = LookupShared(text);
+  auto spec = LookupShared(text);
+  recent[text.data()] = {std::string(text), spec};
+  return spec;
 }
 
 std::shared_ptr<const PlanSpec> LookupShared(std::string_view text) {

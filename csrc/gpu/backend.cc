@@ -40,7 +40,7 @@ std::string CacheKey(Platform platform, const std::string& arch, const std::stri
                      const GeneratedKernel& generated, const PlanSpec& spec) {
   return std::string("jaxfuse-kernel-v1|") + PlatformName(platform) + "|" + arch + "|" +
          compiler + "|src=" + HeadersHash() + "-" + std::to_string(Fnv1a64(generated.source)) +
-         "|" + generated.solver + "|" + spec.text;
+         "|" + generated.solver + "|" + spec.canonical;
 }
 
 struct Slot {
@@ -150,7 +150,7 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
   std::shared_ptr<Slot> slot;
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto& entry = (*slots)[{static_cast<int>(platform), ordinal, spec.text}];
+    auto& entry = (*slots)[{static_cast<int>(platform), ordinal, spec.canonical}];
     if (!entry) entry = std::make_shared<Slot>();
     slot = entry;
   }

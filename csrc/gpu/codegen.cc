@@ -31,8 +31,10 @@ class Text {
   std::string out_;
 };
 
-// Channels whose per-channel epilogue terms a pointwise block tabulates in shared memory.
-constexpr int64_t kMaxTableChannels = 4096;
+// Channels whose per-channel epilogue terms (4 floats each) a pointwise block tabulates in
+// shared memory: at most 48 KiB, what a kernel may use without opting in to more.
+constexpr int64_t kMaxTableChannels = 3072;
+constexpr int64_t kTableFloatsPerChannel = 4;
 
 unsigned GridFor(int64_t work_items, int threads, const DeviceInfo& device) {
   // Enough blocks to fill the device several times over; kernels loop beyond that.
@@ -77,7 +79,11 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   Text s;
   s << "namespace jaxfuse {\nnamespace plan {\n"
     << "struct Epilogue {\n"
-    << "  struct Channel { float bias, bn_mul, bn_add; };\n"
+    << "  struct Channel {\n"
+    << "    float bias;\n"
+    << "    BnFold bn;\n"
+    << "    JF_DEVICE static Channel identity() { return Channel{0.0f, {0.0f, 1.0f, 0.0f}}; }\n"
+    << "  };\n"
     << "  const FusedParams p;\n"
     << "  float conv_alpha, bn_epsilon, act_alpha, act_beta, act_gamma, side_alpha;\n"
     << "  JF_DEVICE explicit Epilogue(const FusedParams& params) : p(params) {\n"
@@ -89,11 +95,11 @@ std::string PlanEpilogue(const PlanSpec& spec) {
     << "    side_alpha = p.scalars[kSideAlpha];\n"
     << "  }\n"
     << "  JF_DEVICE Channel channel(i64 c) const {\n"
-    << "    Channel t{0.0f, 1.0f, 0.0f};\n";
+    << "    Channel t = Channel::identity();\n";
   if (spec.has(PointwiseOp::kBias)) s << "    t.bias = p.bias[c];\n";
   if (spatial_bn) {
-    s << "    t.bn_mul = bn_fold_scale(p.bn_scale[c], p.bn_var[c], bn_epsilon);\n"
-      << "    t.bn_add = bn_fold_shift(p.bn_shift[c], p.bn_mean[c], t.bn_mul);\n";
+    s << "    t.bn = bn_fold(p.bn_scale[c], p.bn_shift[c], p.bn_mean[c], p.bn_var[c], "
+         "bn_epsilon);\n";
   }
   s << "    return t;\n  }\n"
     << "  // v: the convolution's accumulator (or the input value); param: index into\n"
@@ -105,13 +111,10 @@ std::string PlanEpilogue(const PlanSpec& spec) {
       case PointwiseOp::kBias: s << "    v += t.bias;\n"; break;
       case PointwiseOp::kBatchNorm:
         if (per_activation_bn) {
-          s << "    {\n"
-            << "      const float m = bn_fold_scale(p.bn_scale[param], p.bn_var[param], "
-               "bn_epsilon);\n"
-            << "      v = v * m + bn_fold_shift(p.bn_shift[param], p.bn_mean[param], m);\n"
-            << "    }\n";
+          s << "    v = bn_apply(v, bn_fold(p.bn_scale[param], p.bn_shift[param], "
+               "p.bn_mean[param], p.bn_var[param], bn_epsilon));\n";
         } else {
-          s << "    v = v * t.bn_mul + t.bn_add;\n";
+          s << "    v = bn_apply(v, t.bn);\n";
         }
         break;
       case PointwiseOp::kSideAdd:
@@ -130,7 +133,9 @@ std::string PlanEpilogue(const PlanSpec& spec) {
 std::string TranslationUnit(const PlanSpec& spec, const std::string& extra_constants,
                             const std::vector<const char*>& kernel_files) {
   Text s;
-  s << "// jaxfuse kernel for plan: " << spec.text << "\n"
+  // The canonical form, never the text the plan was parsed from: nothing of a plan reaches the
+  // compiler except enums and integers the parser produced.
+  s << "// jaxfuse kernel for plan: " << spec.canonical << "\n"
     << "#include \"portable.h\"\n#include \"params.h\"\n#include \"epilogue.h\"\n\n"
     << PlanConstants(spec) << "\n" << PlanEpilogue(spec) << "\n";
   if (!extra_constants.empty()) {
@@ -367,7 +372,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
     const bool fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
     const unsigned table_bytes = !fixed_channels && spec.c <= kMaxTableChannels
-                                     ? static_cast<unsigned>(3 * spec.c * sizeof(float))
+                                     ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
                                      : 0;
     // One vector per thread for small tensors; at most 8 blocks per multiprocessor (each then
     // streams several vectors, with kUnroll of them in flight).

@@ -67,7 +67,11 @@ JF_HD float activate(float x, float a, float b, float g) {
     const float base = a + b * x;
     return base > 0.0f ? powf(base, g) : 0.0f;
   }
-  if (Mode == kClippedRelu) return x < 0.0f ? fminf(0.0f, a) : (x > a ? a : x);
+  // min(max(x, 0), a), NaN in x or in a passing through (as jnp.minimum and jnp.clip do).
+  if (Mode == kClippedRelu) {
+    const float r = x < 0.0f ? 0.0f : x;
+    return r > a || a != a ? a : r;
+  }
   if (Mode == kLeakyRelu) return x > 0.0f ? x : a * x;
   if (Mode == kElu) return x > 0.0f ? x : a * expm1f(x);
   return x;
@@ -89,10 +93,27 @@ JF_HD float activate_dynamic(int mode, float x, float a, float b, float g) {
   }
 }
 
-// Batch-norm inference folded into one multiply-add: v * bn_scale(...) + bn_shift(...).
-JF_HD float bn_fold_scale(float scale, float var, float eps) { return scale * jf_rsqrt(var + eps); }
-JF_HD float bn_fold_shift(float shift, float mean, float folded_scale) {
-  return shift - mean * folded_scale;
+JF_HD bool jf_isfinite(float x) { return fabsf(x) <= 3.402823466e+38f; }  // false for NaN
+
+// Batch-norm inference as v -> (v - center) * mul + add. Folded, it is one multiply-add:
+// center = 0, mul = scale / sqrt(var + eps), add = shift - mean * mul. Where that fold is not
+// finite (var + eps == 0, an infinite scale, an overflow), it would give inf - inf = NaN for
+// the whole channel; such a channel keeps the formula's order instead (center = mean,
+// add = shift), so it gives what scale * (v - mean) / sqrt(var + eps) + shift gives: +-inf,
+// and NaN only where v == mean.
+struct BnFold {
+  float center, mul, add;
+  // A plain multiply-add, which composes with neighbouring affine steps (CPU epilogue).
+  JF_HD bool plain() const { return center == 0.0f && jf_isfinite(mul) && jf_isfinite(add); }
+};
+
+JF_HD BnFold bn_fold(float scale, float shift, float mean, float var, float eps) {
+  const float mul = scale * jf_rsqrt(var + eps);
+  const float add = shift - mean * mul;
+  if (jf_isfinite(mul) && jf_isfinite(add)) return BnFold{0.0f, mul, add};
+  return BnFold{mean, mul, shift};
 }
+
+JF_HD float bn_apply(float v, const BnFold& bn) { return (v - bn.center) * bn.mul + bn.add; }
 
 }  // namespace jaxfuse

@@ -99,7 +99,7 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
 template <int kCols, int kThreads>
 JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
   for (int j = threadIdx.x; j < kCols; j += kThreads) {
-    terms[j] = n0 + j < KG ? ep.channel(group * KG + n0 + j) : Epilogue::Channel{0.0f, 1.0f, 0.0f};
+    terms[j] = n0 + j < KG ? ep.channel(group * KG + n0 + j) : Epilogue::Channel::identity();
   }
 }
 

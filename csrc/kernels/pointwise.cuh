@@ -3,9 +3,9 @@
 //
 // jaxfuse_pointwise moves 16 bytes per thread per step, several steps in flight (needs 16-byte
 // aligned buffers); jaxfuse_pointwise_scalar handles any alignment. The host picks one per call.
-// Per-channel terms (bias, batch norm folded into one multiply-add) are computed once per
-// block into a shared-memory table when they fit: reading them per element from global memory
-// costs more L1 traffic than the tensor itself when channels vary fastest (NHWC).
+// Per-channel terms (bias, batch norm as epilogue.h's bn_fold) are computed once per block into
+// a shared-memory table when they fit: reading them per element from global memory costs more
+// L1 traffic than the tensor itself when channels vary fastest (NHWC).
 #pragma once
 
 namespace jaxfuse {
@@ -26,10 +26,12 @@ JF_DEVICE i64 input_channel(i64 i) { return kNHWC ? i % C : (i / (H * W)) % C; }
 
 // The per-channel terms, from the block's table or computed on the spot.
 struct ChannelTerms {
-  const float* table;  // [bias | bn_mul | bn_add], C floats each
+  const float* table;  // [bias | bn.center | bn.mul | bn.add], C floats each
   const Epilogue* ep;
   JF_DEVICE Epilogue::Channel operator()(i64 c) const {
-    if (kChannelTable) return Epilogue::Channel{table[c], table[C + c], table[2 * C + c]};
+    if (kChannelTable) {
+      return Epilogue::Channel{table[c], BnFold{table[C + c], table[2 * C + c], table[3 * C + c]}};
+    }
     return ep->channel(c);
   }
 };
@@ -39,8 +41,9 @@ JF_DEVICE ChannelTerms fill_channel_table(const Epilogue& ep, float* table) {
     for (i64 c = threadIdx.x; c < C; c += blockDim.x) {
       const Epilogue::Channel t = ep.channel(c);
       table[c] = t.bias;
-      table[C + c] = t.bn_mul;
-      table[2 * C + c] = t.bn_add;
+      table[C + c] = t.bn.center;
+      table[2 * C + c] = t.bn.mul;
+      table[3 * C + c] = t.bn.add;
     }
     __syncthreads();
   }
