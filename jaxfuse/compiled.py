@@ -32,7 +32,7 @@ class CompiledPlan:
     signature: PlanSignature
     platform: str
     device_id: int
-    kernel: str  # what runs it: "xla", "cpu", or the GPU kernel ("conv_wgmma", "pointwise", ...)
+    kernel: str  # what runs it: "xla", "cpu"/"cpu_direct", or a GPU kernel ("conv_wgmma", ...)
     details: tuple[tuple[str, Any], ...] = ()  # the fused kernel's tile, variant, arch, origin
     mode: str = "fused"  # "auto", "fused" or "xla" (see jaxfuse.solvers)
     fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")

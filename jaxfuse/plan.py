@@ -145,9 +145,10 @@ class FusionPlan:
 
     @property
     def solver(self) -> str | None:
-        """What runs the compiled plan: ``"xla"`` (XLA's unfused composition), ``"cpu"``, or
-        the GPU kernel (``"conv_wgmma"``, ``"conv_igemm"``, ``"pointwise"``, ...); None before
-        ``compile()``."""
+        """What runs the compiled plan: ``"xla"`` (XLA's unfused composition), the CPU kernel
+        (``"cpu"``, or ``"cpu_direct"`` for geometries whose padded copy would dwarf the
+        tensors), or the GPU kernel (``"conv_wgmma"``, ``"conv_igemm"``, ``"pointwise"``, ...);
+        None before ``compile()``."""
         return self._compiled.kernel if self.is_compiled else None
 
     @property

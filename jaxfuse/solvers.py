@@ -5,7 +5,7 @@ Two solvers compete for every plan signature on a device:
 - **fused**: jaxfuse's own kernel for the plan, one launch for the whole chain. On GPUs the
   extension generates it and autotunes its tile variants itself (``csrc/gpu/autotune.cc``);
   ``kernel_info["solver"]`` then names the kernel family (``conv_wgmma``, ``pointwise``, ...),
-  ``"cpu"`` on the host.
+  ``"cpu"`` or ``"cpu_direct"`` on the host.
 - **xla**: the unfused composition, written as a user writes the chain in jax, as XLA compiles
   it (with cuDNN and cuBLAS on GPUs): what plain ``jax.jit`` runs for the chain.
 
@@ -59,7 +59,7 @@ def solver_mode(mode: str | None = None) -> SolverMode:
 class FusedKernel:
     """jaxfuse's kernel for a signature, prepared (compiled and loaded) on a device."""
 
-    solver: str  # "cpu", or the GPU kernel family ("conv_wgmma", "pointwise", ...)
+    solver: str  # "cpu"/"cpu_direct", or the GPU kernel family ("conv_wgmma", "pointwise", ...)
     details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
 
     @property
