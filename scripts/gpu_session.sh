@@ -4,8 +4,10 @@
 #
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models probe
 #
-# Knobs (environment): TESTS_CAP, FINAL_CAP, LAYERS_CAP, MODELS_CAP (seconds);
-# LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODELS, MODEL_BATCH, MODEL_DTYPES.
+# Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, FINAL_CAP, LAYERS_CAP, MODELS_CAP
+# (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODEL_RUNS, a list of
+# model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
+# until MODELS_CAP is spent.
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -44,8 +46,10 @@ if has tests; then
   echo "== GPU tests"
   start=$(date +%s)
   # Autotuning is exercised by its own tests (and every variant by a forced-variant test).
+  # shellcheck disable=SC2086
   JAXFUSE_AUTOTUNE=0 timeout "${TESTS_CAP:-240}" $py -m pytest tests -m gpu -q \
-    -p no:cacheprovider -n 4 --durations=5 > "$OUT/tests.log" 2>&1
+    -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --durations=5 ${TESTS_ARGS:-} \
+    > "$OUT/tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi
@@ -72,11 +76,16 @@ if has layers; then
 fi
 if has models; then
   echo "== end to end: Flax models, plain jit vs jit(fuse(apply)) auto and forced"
-  start=$(date +%s)
-  # shellcheck disable=SC2086
-  timeout "${MODELS_CAP:-300}" $py -m jaxfuse.bench.end_to_end --model ${MODELS:-resnet50} \
-    --batch ${MODEL_BATCH:-1 64} --dtype ${MODEL_DTYPES:-bfloat16} \
-    --json "$OUT/models.json" > "$OUT/models.log" 2>&1
-  echo "e2e exit $? in $(( $(date +%s) - start )) s"
-  grep -vE "^\{" "$OUT/models.log" | tail -30
+  deadline=$(( $(date +%s) + ${MODELS_CAP:-300} ))
+  for run in ${MODEL_RUNS:-resnet50:bfloat16:1,64}; do
+    IFS=: read -r model dtype batches <<< "$run"
+    left=$(( deadline - $(date +%s) ))
+    (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
+    # shellcheck disable=SC2086
+    timeout "$left" $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
+      --batch ${batches//,/ } --json "$OUT/models_${model}_${dtype}.json" \
+      >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
+    echo "$run exit $?"
+  done
+  grep -E "^(device|model|resnet50|mobilenet) " "$OUT/models.log" | sort -u -k1,3
 fi
