@@ -582,8 +582,11 @@ def _tensor_core_geometries(draw: Any) -> Geometry:
         g, c=c, k=draw(st.sampled_from([8, 16, 24, 64, 128])) * (groups if groups > 1 else 1),
         ci=None, groups=groups, layout="NHWC", dtype=draw(st.sampled_from(["float16",
                                                                             "bfloat16"])),
-        filter_layout=draw(st.sampled_from(["HWIO", "OHWI", "OIHW"])), w=draw(st.integers(1, 20)),
-        h=draw(st.integers(1, 20)))
+        filter_layout=draw(st.sampled_from(["HWIO", "OHWI", "OIHW"])),
+        # Large outputs too: tile choices depend on how many tiles fill the device.
+        w=draw(_mostly(st.integers(1, 20), st.integers(21, 128), 3)),
+        h=draw(_mostly(st.integers(1, 20), st.integers(21, 128), 3)),
+        n=draw(_mostly(st.just(g.n), st.sampled_from([8, 64]), 3)))
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not installed")
@@ -613,5 +616,10 @@ def test_gpu_kernels_compile_for_any_accepted_geometry() -> None:
                 assert re.search(LIMIT_MESSAGE, str(err)), err
                 return
             assert out["binary_bytes"] > 0, (g, arch)
+            # Every tile variant the solver chooser may time must compile too.
+            for variant in range(1, out["variants"]):
+                again = ext.gpu_compile_only("CUDA", plan.signature.encode(), arch,
+                                             variant=variant)
+                assert again["binary_bytes"] > 0, (g, arch, variant)
 
     run()
