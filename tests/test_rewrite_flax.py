@@ -130,3 +130,51 @@ def test_every_chain_of_a_network_is_fused(name: str, dtype: str) -> None:
         truth = jax.jit(NETWORKS[name](jnp.float32).apply)(variables, x.astype(jnp.float32))
         assert _relative_error(out, truth) <= 1.25 * _relative_error(ref, truth) + \
             tolerance(dtype)
+
+
+def _hlo_ops(fn: Any, *args: Any) -> list[str]:
+    """The optimized program's instruction names (opcodes), fusion bodies included."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return [line.split("=", 1)[1].split("(", 1)[0].split()[-1]
+            for line in text.splitlines() if " = " in line and "(" in line]
+
+
+@pytest.mark.parametrize("written", ["flax", "by hand"])
+def test_batchnorm_statistics_reach_the_kernel_as_they_are(written: str) -> None:
+    """No per-call kernels fold the statistics before the fused call: the kernel takes scale,
+    mean, variance and epsilon as they are (flax's scale * rsqrt(var + eps), or a hand-written
+    scale / sqrt(var + eps)), and the folded vector the program computed is dead."""
+    import flax.linen as nn
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 9, 9, 8)), jnp.float32)
+    if written == "flax":
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                y = nn.Conv(16, (3, 3), use_bias=False)(x)
+                return nn.relu(nn.BatchNorm(use_running_average=True)(y))
+
+        model = Block()
+        variables = model.init(jax.random.key(0), x)
+        stats = variables["batch_stats"]["BatchNorm_0"]
+        stats["var"] = jnp.asarray(rng.uniform(0.5, 2.0, 16), jnp.float32)
+        stats["mean"] = jnp.asarray(rng.standard_normal(16), jnp.float32)
+        fn, args = model.apply, (variables, x)
+    else:
+        w = jnp.asarray(rng.standard_normal((3, 3, 8, 16)) / 9, jnp.float32)
+        scale, shift, mean = (jnp.asarray(rng.standard_normal(16), jnp.float32) for _ in "abc")
+        var = jnp.asarray(rng.uniform(0.5, 2.0, 16), jnp.float32)
+
+        def fn(x, w, scale, shift, mean, var):
+            y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jax.nn.relu(scale * (y - mean) / jnp.sqrt(var + 1e-3) + shift)
+
+        args = (x, w, scale, shift, mean, var)
+    fused = jf.fuse(fn, solver="fused")
+    assert jf.fusion_report(fused, *args).fused_calls == 1
+    ops = _hlo_ops(fused, *args)
+    assert ops.count("custom-call") == 1
+    assert not {"rsqrt", "sqrt", "divide", "broadcast"} & set(ops), ops
+    np.testing.assert_allclose(fused(*args), fn(*args), rtol=1e-5, atol=1e-5)
