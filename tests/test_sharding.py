@@ -223,3 +223,31 @@ def test_inside_shard_map(devices) -> None:
     text = fn.lower(xs, params).compile().as_text()
     assert "CustomSPMDPartitioning" not in text
     assert not [c for c in COLLECTIVES if c in text]
+
+
+@pytest.mark.parametrize("solver", ["fused", "auto"])
+def test_data_parallel_model_runs_each_shard_alone(devices, solver) -> None:
+    """A Flax ResNet with the batch sharded over two devices under jit(fuse(apply)) (the
+    end-to-end benchmark's --devices mode): the single-device result, and no collective."""
+    pytest.importorskip("flax")
+    import numpy as np
+
+    from jaxfuse.bench.end_to_end import collectives, place
+    from jaxfuse.bench.models import ResNet, random_variables
+
+    model = ResNet(stage_sizes=(1, 1), num_classes=10, width=8)
+    x = np.random.default_rng(0).standard_normal((4, 32, 32, 3)).astype(np.float32)
+    variables = random_variables(model, jnp.asarray(x[:1]))
+    fused = jax.jit(jf.fuse(model.apply, solver=solver))
+    x1, v1 = place(x, variables, devices[:1])
+    one = fused(v1, x1)
+    x2, v2 = place(x, variables, devices[:2])
+    args = (v2, x2)
+    two = fused(*args)
+    assert len(two.sharding.device_set) == 2
+    one, two = np.asarray(one), np.asarray(two)
+    assert np.max(np.abs(two - one)) <= 1e-4 * np.max(np.abs(one))
+    assert collectives(fused, *args) == 0
+    assert collectives(jax.jit(lambda v, x: model.apply(v, x).sum()), *args) > 0  # control
+    report = jf.fusion_report(jf.fuse(model.apply, solver=solver), *args)
+    assert len(report.fused) + len(report.to_xla) >= 5

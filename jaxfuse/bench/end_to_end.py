@@ -9,6 +9,7 @@ per chain, the faster of jaxfuse's kernel and XLA's by jaxfuse's own measurement
 (jaxfuse's kernels forced: what they achieve). The outputs are compared too.
 
     python -m jaxfuse.bench.end_to_end --model resnet50 --batch 1 8 64 --dtype float16
+    python -m jaxfuse.bench.end_to_end --batch 128 512 --devices 1 2   # data-parallel scaling
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import fuse, fusion_report
 from .models import mobilenet, random_variables, resnet50
@@ -48,17 +50,44 @@ def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: in
     return statistics.median(times)
 
 
+# Cross-device operations in an optimized HLO module.
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+
+def place(x: Any, variables: Any, devices: list[Any]) -> tuple[Any, Any]:
+    """`x` and `variables` on one device, or data-parallel over several: the batch sharded
+    over a one-axis mesh, the variables replicated."""
+    if len(devices) == 1:
+        return jax.device_put(x, devices[0]), jax.device_put(variables, devices[0])
+    mesh = Mesh(np.asarray(devices), ("data",))
+    return (jax.device_put(x, NamedSharding(mesh, PartitionSpec("data"))),
+            jax.device_put(variables, NamedSharding(mesh, PartitionSpec())))
+
+
+def collectives(program: Any, *args: Any) -> int:
+    """How many cross-device operations the compiled `program` runs (0 when every device
+    works on its own shard)."""
+    text = program.lower(*args).compile().as_text()
+    return sum(text.count(f" {name}(") + text.count(f" {name}-start(") for name in COLLECTIVES)
+
+
 def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
-        modes: tuple[str, ...] = ("auto", "fused")) -> dict[str, Any]:
+        modes: tuple[str, ...] = ("auto", "fused"), devices: int = 1) -> dict[str, Any]:
     """One model, batch and dtype: plain ``jax.jit`` against ``jax.jit(fuse(apply))`` in each
-    solver mode of `modes` ("auto": what users get; "fused": jaxfuse's kernels forced)."""
+    solver mode of `modes` ("auto": what users get; "fused": jaxfuse's kernels forced). With
+    `devices` > 1 the batch is sharded over that many devices of `device`'s platform."""
     model = MODELS[model_name](dtype=jnp.dtype(dtype))
     rng = np.random.default_rng(0)
-    x = jax.device_put(rng.standard_normal((batch, size, size, 3)).astype(dtype), device)
-    variables = jax.device_put(random_variables(model, x), device)
+    x = rng.standard_normal((batch, size, size, 3)).astype(dtype)
+    variables = random_variables(model, jnp.asarray(x[:1]))
+    placed = jax.devices(device.platform)[:devices] if devices > 1 else [device]
+    if len(placed) < devices:
+        raise ValueError(f"--devices {devices}: only {len(placed)} {device.platform} devices")
+    x, variables = place(x, variables, placed)
     plain = jax.jit(model.apply)
     y_plain = np.asarray(plain(variables, x), np.float64)
     row: dict[str, Any] = {"model": model_name, "batch": batch, "dtype": dtype, "image": size,
+                           "devices": devices,
                            "plain_ms": forward_seconds(plain, (variables, x)) * 1e3}
     programs = {"plain": plain}
     for mode in modes:
@@ -82,7 +111,9 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
             f"{mode}_ms": forward_seconds(fused, (variables, x)) * 1e3,
         })
         row[f"{mode}_speedup"] = row["plain_ms"] / row[f"{mode}_ms"]
-    if device.platform == "gpu":
+        if devices > 1:
+            row[f"{mode}_collectives"] = collectives(fused, variables, x)
+    if device.platform == "gpu" and devices == 1:  # the trace's kernels are one device's
         sets = [(variables, x)]
         for name, program in programs.items():
             d = device_time_per_op(jax.jit(lambda s, p=program: [p(*a) for a in s]), sets)
@@ -93,7 +124,8 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
 
 def _line(r: dict[str, Any]) -> str:
     nan = float("nan")
-    cells = [f"{r['model']:<10} {r['batch']:>4} {r['dtype']:<9} {r['plain_ms']:9.2f}"]
+    cells = [f"{r['model']:<10} {r['batch']:>4} {r['devices']:>2} {r['dtype']:<9} "
+             f"{r['plain_ms']:9.2f}"]
     for mode in ("auto", "fused"):
         if f"{mode}_error" in r:
             cells.append(f"{'ERROR':>9} {'':>7}")
@@ -115,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--solver", nargs="+", default=["auto", "fused"],
                         choices=["auto", "fused", "xla"],
                         help="solver modes of the fused program to time against plain jit")
+    parser.add_argument("--devices", nargs="+", type=int, default=[1],
+                        help="data-parallel over this many devices (batch sharded); per value")
     parser.add_argument("--platform", default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -123,12 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model:
         for dtype in args.dtype:
             for batch in args.batch:
-                rows.append(run(name, batch, dtype, args.image, device, tuple(args.solver)))
+                for devices in args.devices:
+                    rows.append(run(name, batch, dtype, args.image, device,
+                                    tuple(args.solver), devices))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"device: {device.device_kind}")
-    print(f"{'model':<10} {'N':>4} {'dtype':<9} {'plain ms':>9} {'auto ms':>9} {'auto x':>7} "
-          f"{'fused ms':>9} {'fused x':>7} {'dev plain':>9} {'dev auto':>9} {'dev fused':>9} "
-          f"fused/xla chains")
+    print(f"{'model':<10} {'N':>4} {'dev':>2} {'dtype':<9} {'plain ms':>9} {'auto ms':>9} "
+          f"{'auto x':>7} {'fused ms':>9} {'fused x':>7} {'dev plain':>9} {'dev auto':>9} "
+          f"{'dev fused':>9} fused/xla chains")
     for r in rows:
         print(_line(r))
     if args.json:
