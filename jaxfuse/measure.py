@@ -20,6 +20,7 @@ import dataclasses
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +41,9 @@ __all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "rel
 # (at least, and at most while the time budget lasts).
 _SET_BUDGET = {"cpu": 4 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
+# Input sets up to this many elements are drawn on the host and copied, larger ones on the
+# device (where a program must be compiled first).
+_HOST_RANDOM_ELEMENTS = 1 << 24
 _MIN_RUNS = {"cpu": 3, "gpu": 5}
 _MAX_RUNS = 20
 _BUDGET_SECONDS = {"cpu": 0.1, "gpu": 0.05}
@@ -88,6 +92,13 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     ranges = {"x": (-1.0, 1.0), "side": (-1.0, 1.0), "bias": (-1.0, 1.0),
               "w": (-fan_in ** -0.5, fan_in ** -0.5), "scale": (0.5, 1.5),
               "shift": (-1.0, 1.0), "mean": (-0.5, 0.5), "var": (0.5, 2.0)}
+    elements = sum(math.prod(spec.shape) for spec in specs)
+    if _platform_kind(device) == "cpu" or elements <= _HOST_RANDOM_ELEMENTS:
+        # On the host: no program to compile (XLA compiles take longer than NumPy fills).
+        rng = np.random.default_rng(seed)
+        return [tuple(jax.device_put(
+            (rng.random(spec.shape, np.float32) * (hi - lo) + lo).astype(spec.dtype), device)
+            for spec, (lo, hi) in ((s, ranges[s.name]) for s in specs)) for _ in range(sets)]
     sharding = jax.sharding.SingleDeviceSharding(device)
 
     def one_set(key: jax.Array) -> tuple[jax.Array, ...]:
@@ -141,11 +152,10 @@ class Harness:
         except Exception:
             _delete_stopwatch(stopwatch)
             raise
-        return cls(compiled, sets, platform, stopwatch)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # also at interpreter exit
-            _delete_stopwatch(self.stopwatch)
+        harness = cls(compiled, sets, platform, stopwatch)
+        if stopwatch is not None:  # its events go with the harness (at exit too)
+            weakref.finalize(harness, _delete_stopwatch, stopwatch)
+        return harness
 
     def run(self) -> tuple[jax.Array, float]:
         """The candidate's result on the first input set (to check candidates agree), and its
@@ -185,19 +195,25 @@ def _mark(stopwatch: int, mark: int, *after: jax.Array) -> jax.Array:
 
 
 def relative_error(a: jax.Array, b: jax.Array) -> float:
-    """``|a - b| / |b|`` in float32 on the device (inf when either has a non-finite value
-    where the other does not)."""
-
-    @jax.jit
-    def error(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
-        same_nonfinite = jnp.all(jnp.isfinite(a32) == jnp.isfinite(b32))
-        both = jnp.isfinite(a32) & jnp.isfinite(b32)
-        diff = jnp.where(both, a32 - b32, 0.0)
-        ref = jnp.where(both, b32, 0.0)
-        return jnp.linalg.norm(diff.ravel()), jnp.linalg.norm(ref.ravel()), same_nonfinite
-
-    diff, ref, same = (np.asarray(v) for v in error(a, b))
+    """``|a - b| / |b|`` in float32 (inf when either has a non-finite value where the other
+    does not): on the host for CPU arrays, on the device otherwise."""
+    if all(d.platform == "cpu" for d in a.devices()):
+        diff, ref, same = _error_terms(np.asarray(a, np.float32), np.asarray(b, np.float32), np)
+    else:
+        diff, ref, same = (np.asarray(v) for v in _device_error_terms(a, b))
     if not bool(same):
         return math.inf
     return float(diff) / max(float(ref), 1e-30)
+
+
+def _error_terms(a: Any, b: Any, xp: Any) -> tuple[Any, Any, Any]:
+    """(|a - b|, |b|, whether a and b are non-finite at the same places), with NumPy or jnp."""
+    a32, b32 = a.astype(xp.float32), b.astype(xp.float32)
+    same_nonfinite = xp.all(xp.isfinite(a32) == xp.isfinite(b32))
+    both = xp.isfinite(a32) & xp.isfinite(b32)
+    diff = xp.where(both, a32 - b32, 0.0)
+    ref = xp.where(both, b32, 0.0)
+    return xp.linalg.norm(diff.ravel()), xp.linalg.norm(ref.ravel()), same_nonfinite
+
+
+_device_error_terms = jax.jit(lambda a, b: _error_terms(a, b, jnp))
