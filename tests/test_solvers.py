@@ -155,11 +155,18 @@ def test_a_candidate_that_fails_to_run_is_dropped(monkeypatch) -> None:
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
         return run
 
+    working = find.xla_function
     monkeypatch.setattr(find, "xla_function", failing)
     plan, _ = SMALL.build()
     plan.compile(solver="auto")
     assert plan.solver == "cpu"
     assert "RESOURCE_EXHAUSTED" in plan.kernel_info["failed"]["xla"]
+    # Not remembered on disk: the next process (here: an empty memo) measures again.
+    monkeypatch.setattr(find, "xla_function", working)
+    jf.clear_cache()
+    plan.compile(solver="auto")
+    assert plan.kernel_info["decided"] == "measured"
+    assert set(plan.kernel_info["candidates_us"]) == {"fused", "xla"}
 
 
 def test_compiling_inside_a_trace_measures_outside_it() -> None:
