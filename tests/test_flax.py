@@ -699,7 +699,7 @@ def test_activation_errors() -> None:
     with pytest.raises(ValueError, match="approximate"):
         resolve_activation(functools.partial(jax.nn.elu, approximate=True))
     with pytest.raises(ValueError, match="unknown activation mode"):
-        resolve_activation("swish")
+        resolve_activation("selu")
     with pytest.raises(TypeError, match="activation"):
         resolve_activation(3)
     x = _input((N, H, W, C), jnp.float32)
