@@ -33,6 +33,10 @@ class Pattern:
     def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
         raise NotImplementedError
 
+    def roots(self) -> frozenset[str] | None:
+        """The primitives that can produce a matching value (None: any value may match)."""
+        return None
+
 
 class _Chain(Pattern):
     """The chain's current value."""
@@ -90,6 +94,9 @@ class _Op(Pattern):
         for inputs in orders:
             yield from self._match_args(g, list(zip(self.args, inputs)), b, frozenset({node}))
 
+    def roots(self) -> frozenset[str] | None:
+        return frozenset({self.name})
+
     def _match_args(self, g: Graph, pairs: list[tuple[Pattern, Value]], b: Binding,
                     nodes: frozenset[Node]) -> Iterator[Match]:
         if not pairs:
@@ -107,6 +114,10 @@ class _OneOf(Pattern):
     def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
         for option in self.options:
             yield from option.matches(g, value, b)
+
+    def roots(self) -> frozenset[str] | None:
+        roots = [option.roots() for option in self.options]
+        return None if None in roots else frozenset().union(*roots)
 
 
 def op(name: str, *args: Pattern) -> Pattern:
@@ -283,6 +294,8 @@ _TEMPLATES: tuple[_Template, ...] = (
 )
 
 _MAX_DEPTH = 10  # the largest template spans this many nodes from x to its result
+# Each template's possible root primitives: a node of any other kind is not tried against it.
+_ROOTS = tuple(template.pattern.roots() for template in _TEMPLATES)
 
 
 def _downstream(x: Value) -> list[Node]:
@@ -313,6 +326,8 @@ def candidate_steps(g: Graph, x: Value, channel_axis: int) -> tuple[list[Step], 
             continue
         root = node.outputs[0]
         for order, template in enumerate(_TEMPLATES):
+            if _ROOTS[order] is not None and node.name not in _ROOTS[order]:
+                continue
             for binding, nodes in template.pattern.matches(g, root, {"x": x}):
                 if not all(user in nodes for user in x.users):
                     continue
