@@ -1,7 +1,8 @@
 """Activation modes of the fusion API and their reference formulas.
 
-The formulas are MIOpen's (``y = f(x; alpha, beta, gamma)``); the numbering matches
-``miopenActivationMode_t`` and the C++ epilogue (``csrc/kernels/epilogue.h``).
+The first ten are MIOpen's (``y = f(x; alpha, beta, gamma)``), numbered as
+``miopenActivationMode_t``; the modes after them (silu, gelu, ...) are jax.nn's and take no
+parameters. The C++ epilogue (``csrc/kernels/epilogue.h``) numbers them the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["DEFAULT_PARAMS", "ActivationMode", "activation_mode", "jax_activation",
            "reference_activation"]
@@ -29,6 +31,13 @@ class ActivationMode(enum.StrEnum):
     CLIPPED_RELU = "clipped_relu"
     LEAKY_RELU = "leaky_relu"
     ELU = "elu"
+    # Beyond MIOpen (appended, so the codes above keep their numbers).
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    HARDSWISH = "hardswish"
+    HARDSIGMOID = "hardsigmoid"
+    MISH = "mish"
 
     @property
     def code(self) -> int:
@@ -38,7 +47,9 @@ class ActivationMode(enum.StrEnum):
 
 _CODES = {mode: i for i, mode in enumerate(ActivationMode)}
 _ALIASES = {"identity": "passthru", "sigmoid": "logistic", "softplus": "softrelu",
-            "clippedrelu": "clipped_relu", "leakyrelu": "leaky_relu", "pasthru": "passthru"}
+            "clippedrelu": "clipped_relu", "leakyrelu": "leaky_relu", "pasthru": "passthru",
+            "swish": "silu", "gelutanh": "gelu_tanh", "hardsilu": "hardswish",
+            "hard_swish": "hardswish", "hard_silu": "hardswish", "hard_sigmoid": "hardsigmoid"}
 
 # (alpha, beta, gamma) used when the caller does not set them: the value that makes each mode
 # mean what its common name says (tanh with unit scales, leaky relu with jax.nn's slope, ...).
@@ -53,7 +64,18 @@ DEFAULT_PARAMS: dict[ActivationMode, tuple[float, float, float]] = {
     ActivationMode.CLIPPED_RELU: (6.0, 0.0, 0.0),
     ActivationMode.LEAKY_RELU: (0.01, 0.0, 0.0),
     ActivationMode.ELU: (1.0, 0.0, 0.0),
+    ActivationMode.SILU: (0.0, 0.0, 0.0),
+    ActivationMode.GELU: (0.0, 0.0, 0.0),
+    ActivationMode.GELU_TANH: (0.0, 0.0, 0.0),
+    ActivationMode.HARDSWISH: (0.0, 0.0, 0.0),
+    ActivationMode.HARDSIGMOID: (0.0, 0.0, 0.0),
+    ActivationMode.MISH: (0.0, 0.0, 0.0),
 }
+
+# jax.nn.gelu(approximate=True)'s constants: tanh(GELU_SCALE * (x + GELU_CUBIC * x**3)).
+GELU_SCALE = float(np.sqrt(2 / np.pi))
+GELU_CUBIC = 0.044715
+_SQRT_HALF = float(np.sqrt(0.5))
 
 
 def activation_mode(mode: str | ActivationMode) -> ActivationMode:
@@ -102,7 +124,35 @@ def reference_activation(mode: str | ActivationMode, x: Any, alpha: Any = None, 
         return xp.where(x > 0, x, a * x)
     if mode is ActivationMode.ELU:
         return xp.where(x > 0, x, a * xp.expm1(xp.minimum(x, zero)))
+    # The rest without overflow for any finite x (a NaN or an infinity gives what jax.nn's
+    # formulas give: x * 0 = NaN at -inf for silu, gelu, hardswish and mish).
+    if mode is ActivationMode.SILU:
+        return x * _sigmoid(x, zero, xp)
+    if mode is ActivationMode.GELU:
+        return 0.5 * x * _erfc(-x * _SQRT_HALF, xp)
+    if mode is ActivationMode.GELU_TANH:
+        # 0.5 * (1 + tanh(u)) is sigmoid(2u), which does not cancel for negative u.
+        return x * _sigmoid(2 * GELU_SCALE * (x + GELU_CUBIC * x**3), zero, xp)
+    if mode is ActivationMode.HARDSWISH:
+        return x * (xp.minimum(xp.maximum(x + 3, zero), 6) / 6)
+    if mode is ActivationMode.HARDSIGMOID:
+        return xp.minimum(xp.maximum(x + 3, zero), 6) / 6
+    if mode is ActivationMode.MISH:
+        return x * xp.tanh(xp.logaddexp(x, zero))
     raise AssertionError(mode)
+
+
+def _sigmoid(x: Any, zero: Any, xp: Any) -> Any:
+    """1 / (1 + exp(-x)) as exp(-log(1 + exp(-x))): no overflow for large -x."""
+    return xp.exp(-xp.logaddexp(zero, -x))
+
+
+def _erfc(x: Any, xp: Any) -> Any:
+    if xp is np:
+        import scipy.special  # jax depends on scipy; imported here, once a reference needs it
+
+        return scipy.special.erfc(x)
+    return jax.lax.erfc(x)
 
 
 def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, gamma: Any) -> Any:
@@ -112,8 +162,12 @@ def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, ga
     relu and clipped_relu have slope 0 at 0 and at the clip (like ``jax.nn.relu``/``relu6``),
     leaky_relu slope 1 and elu slope alpha at 0 (``jax.nn.leaky_relu``/``elu``), abs slope
     ``jnp.abs``'s, and power is flat (derivative 0) wherever ``alpha + beta * x <= 0``.
+    The modes beyond MIOpen's are jax.nn's functions themselves (hardswish and hardsigmoid
+    have slope 0 at -3 and at 3 inside the clip, like ``jax.nn.relu6``).
     """
     mode = activation_mode(mode)
+    if mode in _JAX_NN:
+        return _JAX_NN[mode](x)
     if mode is ActivationMode.LOGISTIC:
         return jax.nn.sigmoid(x)
     if mode is ActivationMode.RELU:
@@ -131,3 +185,13 @@ def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, ga
         return jax.nn.elu(x, alpha)
     # passthru, tanh, abs and power have no kinks jax.nn defines differently.
     return reference_activation(mode, x, alpha, beta, gamma, xp=jnp)
+
+
+_JAX_NN = {
+    ActivationMode.SILU: jax.nn.silu,
+    ActivationMode.GELU: lambda x: jax.nn.gelu(x, approximate=False),
+    ActivationMode.GELU_TANH: lambda x: jax.nn.gelu(x, approximate=True),
+    ActivationMode.HARDSWISH: jax.nn.hard_swish,
+    ActivationMode.HARDSIGMOID: jax.nn.hard_sigmoid,
+    ActivationMode.MISH: jax.nn.mish,
+}

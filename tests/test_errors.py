@@ -94,8 +94,8 @@ def test_bias_shape_must_match_channels() -> None:
 
 
 def test_bad_modes() -> None:
-    with pytest.raises(ValueError, match="unknown activation mode 'gelu'"):
-        _plan().add_activation_forward("gelu")
+    with pytest.raises(ValueError, match="unknown activation mode 'selu'"):
+        _plan().add_activation_forward("selu")
     with pytest.raises(ValueError, match="unknown batch-norm mode"):
         _plan().add_batchnorm_inference("instance")
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import jaxfuse as jf
 from jaxfuse._extension import FFI_TARGET, extension
+from jaxfuse.activations import ActivationMode
 from jaxfuse.primitive import fused_chain_p
 
 CASE = Case(ops="CBNSA", n=2, c=4, h=5, w=6, k=6)
@@ -135,7 +136,8 @@ def _lies(plan: str) -> list[tuple[str, str]]:
         (edit("ops=CBNSA", "ops=CBXSA"), "unknown operator"),
         (edit("ops=CBNSA", "ops="), "'ops' is empty"),
         (edit(";bn=spatial", ""), "batchnorm needs bn="),
-        (edit("act=3", "act=10"), "outside [0, 9]"),
+        # The C++ enum (kernels/epilogue.h) has exactly jaxfuse.ActivationMode's modes.
+        (edit("act=3", f"act={len(ActivationMode)}"), f"outside [0, {len(ActivationMode) - 1}]"),
         (edit("act=3", "act=3;act2=1"), "unknown field 'act2'"),
         (edit("dtype=f32", "dtype=f64"), "unknown dtype"),
         (edit("jaxfuse1", "jaxfuse2"), "version tag"),

@@ -53,9 +53,17 @@ ACTIVATIONS = [
     (Activation("clipped_relu", alpha=1.5), lambda y: jnp.clip(y, 0.0, 1.5)),
     (Activation("power", alpha=0.5, beta=0.7, gamma=1.7), _power),
     (jax.nn.leaky_relu, jax.nn.leaky_relu),
+    (jax.nn.silu, jax.nn.silu),
+    (jax.nn.gelu, jax.nn.gelu),
+    (functools.partial(jax.nn.gelu, approximate=False),
+     functools.partial(jax.nn.gelu, approximate=False)),
+    (jax.nn.hard_swish, jax.nn.hard_swish),
+    ("hardsigmoid", jax.nn.hard_sigmoid),
+    (jax.nn.mish, jax.nn.mish),
 ]
 ACT_IDS = ["relu", "relu6", "leaky0.2", "elu", "logistic", "tanh", "softplus", "abs", "none",
-           "clipped1.5", "power", "leaky"]
+           "clipped1.5", "power", "leaky", "silu", "gelu", "gelu-exact", "hard_swish",
+           "hardsigmoid", "mish"]
 
 GEOMETRIES = {
     "3x3-same": dict(kernel_size=(3, 3), padding="SAME"),
@@ -687,6 +695,16 @@ def test_import_jaxfuse_does_not_import_flax() -> None:
     (jax.nn.softplus, ActivationMode.SOFTRELU, None),
     (jnp.abs, ActivationMode.ABS, None),
     ("clipped_relu", ActivationMode.CLIPPED_RELU, None),
+    (jax.nn.silu, ActivationMode.SILU, None),
+    (nn.swish, ActivationMode.SILU, None),
+    ("swish", ActivationMode.SILU, None),
+    (jax.nn.gelu, ActivationMode.GELU_TANH, None),  # jax.nn.gelu's default: approximate=True
+    (functools.partial(nnx.gelu, approximate=True), ActivationMode.GELU_TANH, None),
+    (functools.partial(jax.nn.gelu, approximate=False), ActivationMode.GELU, None),
+    (jax.nn.hard_swish, ActivationMode.HARDSWISH, None),
+    (nnx.hard_silu, ActivationMode.HARDSWISH, None),
+    (jax.nn.hard_sigmoid, ActivationMode.HARDSIGMOID, None),
+    (jax.nn.mish, ActivationMode.MISH, None),
 ])
 def test_activation_mapping(spec: Any, mode: ActivationMode, alpha: float | None) -> None:
     resolved = resolve_activation(spec)
@@ -695,18 +713,56 @@ def test_activation_mapping(spec: Any, mode: ActivationMode, alpha: float | None
 
 def test_activation_errors() -> None:
     with pytest.raises(ValueError, match="no fused equivalent"):
-        resolve_activation(jax.nn.silu)
+        resolve_activation(jax.nn.selu)
     with pytest.raises(ValueError, match="approximate"):
         resolve_activation(functools.partial(jax.nn.elu, approximate=True))
+    with pytest.raises(ValueError, match="must be True or False"):
+        resolve_activation(functools.partial(jax.nn.gelu, approximate="tanh"))
+    with pytest.raises(ValueError, match="only approximate picks a mode"):
+        resolve_activation(functools.partial(jax.nn.gelu, beta=2.0))
+    with pytest.raises(ValueError, match="positional"):
+        resolve_activation(functools.partial(jax.nn.gelu, False))
     with pytest.raises(ValueError, match="unknown activation mode"):
-        resolve_activation("swish")
+        resolve_activation("selu")
     with pytest.raises(TypeError, match="activation"):
         resolve_activation(3)
     x = _input((N, H, W, C), jnp.float32)
     with pytest.raises(ValueError, match="no fused equivalent"):
-        fl.ConvAct(K, (3, 3), activation=jax.nn.gelu).init(jax.random.key(0), x)
+        fl.ConvAct(K, (3, 3), activation=jax.nn.celu).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="no fused equivalent"):
-        fx.ConvBNAct(C, K, (3, 3), activation=jax.nn.gelu, rngs=nnx.Rngs(0))
+        fx.ConvBNAct(C, K, (3, 3), activation=jax.nn.squareplus, rngs=nnx.Rngs(0))
+
+
+# jax.nn's activations beyond MIOpen's, fused into the conv layers (inference, both dtypes) and
+# called as the user's function in training (the unfused path), linen and NNX.
+NN_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu,
+                  "gelu-exact": functools.partial(jax.nn.gelu, approximate=False),
+                  "hard_swish": jax.nn.hard_swish, "hard_sigmoid": jax.nn.hard_sigmoid,
+                  "mish": jax.nn.mish}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(NN_ACTIVATIONS))
+def test_conv_layers_fuse_jax_nn_activations(name: str, dtype: str) -> None:
+    act = NN_ACTIVATIONS[name]
+    fused, reference = _linen_layers(GEOMETRIES["3x3-same"], act, act, dtype)
+    x = _input((N, H, W, C), dtype)
+    variables = _variables(fused, x, use_running_average=True)
+    jaxpr = jax.make_jaxpr(lambda v, x: fused.apply(v, x, use_running_average=True))(
+        variables, x)
+    assert count_fused_calls(jaxpr) == 1
+    for ura in (True, False):
+        y, _ = _linen_forward(fused, variables, x, ura)
+        y_ref, _ = _linen_forward(reference, variables, x, ura)
+        _assert_close(y, y_ref, dtype, f"linen output (use_running_average={ura})")
+
+    conv = fx.ConvAct(C, K, (3, 3), precision=_precision(dtype), dtype=jnp.dtype(dtype),
+                      activation=act, rngs=nnx.Rngs(0))
+    conv_ref = nnx.Conv(C, K, (3, 3), precision=_precision(dtype), dtype=jnp.dtype(dtype),
+                        rngs=nnx.Rngs(0))
+    nnx.update(conv_ref, _randomized(nnx.state(conv_ref)))
+    nnx.update(conv, nnx.state(conv_ref))
+    _assert_close(conv(x), act(conv_ref(x)), dtype, "nnx ConvAct output")
 
 
 def test_unfusable_arguments_raise() -> None:

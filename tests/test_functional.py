@@ -117,6 +117,23 @@ def test_functional_matches_lax(name: str, with_bn: bool, device) -> None:
     assert relative_error(got, want) <= tolerance
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh", "hardswish",
+                                        "hardsigmoid", "mish"])
+def test_functional_takes_jax_nn_modes(activation: str, device) -> None:
+    conv = {"padding": "SAME", "dimension_numbers": NHWC}
+    x, w, b, *bn = _operands("float32", NHWC, 6, 1)
+    x, w = jax.device_put((x, w), device)
+    got = jf.conv_bias_batchnorm_activation(x, w, b, *bn, activation=activation, **conv)
+    want = _lax_reference(x, w, conv, 3, b, bn, activation)
+    tolerance = TOLERANCE_EXACT_FP32 if device.platform == "cpu" else TOLERANCE[got.dtype]
+    assert relative_error(got, want) <= tolerance
+    bn = [p[:x.shape[-1]] for p in bn]  # x's channels
+    got = jf.batchnorm_activation(x, *bn, layout="NHWC", activation=activation)
+    scale, shift, mean, var = (np.asarray(p, np.float64) for p in bn)  # NHWC: channels last
+    y = scale * (np.asarray(x, np.float64) - mean) / np.sqrt(var + 1e-5) + shift
+    assert relative_error(got, reference_activation(activation, y, xp=np)) <= tolerance
+
+
 def _fused_signatures(closed_jaxpr: Any) -> list:
     found = []
 

@@ -36,9 +36,11 @@ VARIANTS = (
      for ops in ("CBNSA", "BNSA")
      for dt in ("float32", "float16", "bfloat16")
      for layout, fl in (("NCHW", "OIHW"), ("NHWC", "HWIO"))]
-    # Every activation mode, in both solvers.
+    # Every activation mode, in both solvers, and in the tensor-core epilogues.
     + [Case(ops=ops, activation=mode.value, dtype="float16")
        for ops in ("CA", "NA") for mode in ActivationMode]
+    + [Case(ops="CBNA", activation=mode.value, dtype="bfloat16", layout="NHWC",
+            filter_layout="HWIO", c=64, k=64, h=9, w=9) for mode in ActivationMode]
     # Per-activation batch norm, filter layouts, groups, strides and dilation.
     + [Case(ops=ops, bn_mode="per_activation", layout=layout)
        for ops in ("CNA", "NA") for layout in ("NCHW", "NHWC")]

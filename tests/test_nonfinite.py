@@ -56,7 +56,7 @@ def _poke(x: np.ndarray, rng: np.random.Generator, values: list[float], count: i
 # ----- activations ------------------------------------------------------------------------------
 
 # Without a convolution (pointwise kernels) and with one (the CPU's register-tile store for
-# NHWC float32 applies relu and clipped_relu on vectors, the other paths one value at a time).
+# NHWC float32 applies the branch-free modes on vectors, the other paths one value at a time).
 CHAINS = ["A", "BA", "CA", "CBNA", "CNSA"]
 
 
@@ -75,7 +75,8 @@ def test_clipped_relu_with_nan_alpha_is_nan(ops: str, dtype: str, layout: str, d
 @pytest.mark.parametrize("alpha", [0.7, -0.4, np.inf])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("ops", CHAINS)
-@pytest.mark.parametrize("mode", ["relu", "clipped_relu", "leaky_relu"])
+@pytest.mark.parametrize("mode", ["relu", "clipped_relu", "leaky_relu", "hardswish",
+                                  "hardsigmoid"])
 def test_nan_and_inf_inputs_pass_the_activation(mode: str, ops: str, layout: str, alpha: float,
                                                 device) -> None:
     def edit(x, args, handles, operands, rng):

@@ -290,7 +290,8 @@ def test_any_operator_chain(device) -> None:
 
 
 @pytest.mark.parametrize("kind, name", [("activation", n) for n in
-                                        ("gelu", "", "RELU", "Leaky-ReLU", 3, None, "relu6")] +
+                                        ("selu", "", "RELU", "Leaky-ReLU", 3, None, "relu6",
+                                         "GELU", "Hard-Swish")] +
                          [("batchnorm", n) for n in ("instance", "", 1, None, "Spatial")])
 def test_mode_names(kind, name) -> None:
     plan = jf.FusionPlan(jf.TensorDesc((1, 2, 3, 3), "float32"))
@@ -300,7 +301,8 @@ def test_mode_names(kind, name) -> None:
     except Exception as err:
         _assert_clear(err)
         return
-    assert name in ("RELU", "Leaky-ReLU", "Spatial")  # case and spelling variants only
+    # case and spelling variants only
+    assert name in ("RELU", "Leaky-ReLU", "Spatial", "GELU", "Hard-Swish")
     run_case(Case(ops="A" if kind == "activation" else "N", c=2, h=3, w=3, n=1,
                   activation=str(name).lower().replace("-", "_"),
                   bn_mode=str(name).lower()), jax.devices("cpu")[0])

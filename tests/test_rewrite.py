@@ -3,6 +3,7 @@ chains that cannot be fused are left alone with a reason. Flax forms are in test
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,22 @@ ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], str]] = {
     "maximum(y, 0.1 y)": (lambda y: jnp.maximum(y, 0.1 * y), "leaky_relu"),
     "1 / (1 + exp(-y))": (lambda y: 1 / (1 + jnp.exp(-y)), "logistic"),
     "log1p(exp(y))": (lambda y: jnp.log1p(jnp.exp(y)), "softrelu"),
+    # jax.nn's activations beyond MIOpen's, and the forms people write them in.
+    "jax.nn.silu": (jax.nn.silu, "silu"),
+    "y * sigmoid(y)": (lambda y: y * jax.nn.sigmoid(y), "silu"),
+    "y / (1 + exp(-y))": (lambda y: y / (1 + jnp.exp(-y)), "silu"),
+    "jax.nn.gelu": (jax.nn.gelu, "gelu_tanh"),  # approximate=True, jax.nn.gelu's default
+    "jax.nn.gelu(approximate=False)": (lambda y: jax.nn.gelu(y, approximate=False), "gelu"),
+    "0.5 y (1 + erf(y / sqrt 2))": (lambda y: 0.5 * y * (1 + lax.erf(y / math.sqrt(2))),
+                                    "gelu"),
+    "0.5 y (1 + tanh(c (y + 0.044715 y y y)))": (lambda y: 0.5 * y * (1 + jnp.tanh(
+        math.sqrt(2 / math.pi) * (y + 0.044715 * (y * y * y)))), "gelu_tanh"),
+    "jax.nn.hard_swish": (jax.nn.hard_swish, "hardswish"),
+    "y * relu6(y + 3) / 6": (lambda y: y * jax.nn.relu6(y + 3) / 6, "hardswish"),
+    "jax.nn.hard_sigmoid": (jax.nn.hard_sigmoid, "hardsigmoid"),
+    "clip(y + 3, 0, 6) / 6": (lambda y: jnp.clip(y + 3, 0, 6) / 6, "hardsigmoid"),
+    "jax.nn.mish": (jax.nn.mish, "mish"),
+    "y * tanh(log1p(exp(y)))": (lambda y: y * jnp.tanh(jnp.log1p(jnp.exp(y))), "mish"),
 }
 
 
@@ -302,8 +319,9 @@ UNFUSABLE: dict[str, tuple[Callable[[Layer, jax.Array, jax.Array], Any], str]] =
         x, w, (1, 1), ((1, 1), (1, 1)), lhs_dilation=(2, 2),
         dimension_numbers=DIMENSION_NUMBERS[L.layout])), "lhs_dilation"),
     "per-pixel scale": (lambda L, x, w: L.conv(x, w) * jnp.arange(9.0)[:, None], "varies"),
-    "gelu": (lambda L, x, w: jax.nn.gelu(L.conv(x, w)), "used by 3 operations"),
-    "silu": (lambda L, x, w: jax.nn.silu(L.conv(x, w)), "`jit(silu)`, which is not"),
+    "y * sin(y)": (lambda L, x, w: (lambda y: y * jnp.sin(y))(L.conv(x, w)),
+                   "used by 2 operations"),
+    "celu": (lambda L, x, w: jax.nn.celu(L.conv(x, w)), "`jit(celu)`, which is not"),
     "3-D conv": (lambda L, x, w: jax.nn.relu(lax.conv_general_dilated(
         x[..., None], w[..., None], (1, 1, 1), "SAME")), "2-D"),
 }

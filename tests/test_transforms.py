@@ -36,6 +36,13 @@ GRAD_CASES = [
     Case(ops="BSA", activation="softrelu", layout="NHWC", **SMALL),
     Case(ops="CANB", activation="clipped_relu", **SMALL),
     Case(ops="CSA", activation="logistic", **SMALL),
+    # jax.nn's modes: the derivative is jax.nn's function's, through every operand.
+    Case(ops="CBNA", activation="silu", layout="NHWC", filter_layout="HWIO", **SMALL),
+    Case(ops="CBA", activation="gelu", **SMALL),
+    Case(ops="CNSA", activation="gelu_tanh", layout="NHWC", filter_layout="HWIO", **SMALL),
+    Case(ops="CBA", activation="hardswish", **SMALL),
+    Case(ops="BNA", activation="hardsigmoid", layout="NHWC", **SMALL),
+    Case(ops="CSBA", activation="mish", groups=2, **SMALL),
 ]  # every activation mode, kinks included, is in test_derivatives_at_kinks_follow_jax_nn
 
 
@@ -136,11 +143,18 @@ KINKS = {  # activation -> (alpha, beta, gamma), inputs at and around its kinks 
     "logistic": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0]),
     "tanh": ((0.8, 1.3, 0.0), [0.0, -1.0, 1.0]),
     "passthru": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0]),
+    "silu": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0, -30.0, 30.0]),
+    "gelu": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0, -30.0, 30.0]),
+    "gelu_tanh": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0, -30.0, 30.0]),
+    "hardswish": ((0.0, 0.0, 0.0), [-3.0, 3.0, -4.0, 0.0, 4.0]),
+    "hardsigmoid": ((0.0, 0.0, 0.0), [-3.0, 3.0, -4.0, 0.0, 4.0]),
+    "mish": ((0.0, 0.0, 0.0), [0.0, -1.0, 1.0, -30.0, 30.0]),
 }
 # Slopes jax.nn (or jnp) defines at the first kink input of each mode.
 KINK_SLOPES = {"relu": 0.0, "leaky_relu": 1.0, "elu": 0.6, "clipped_relu": 0.0, "abs": 1.0,
                "power": 0.0, "softrelu": 0.5, "logistic": 0.25, "tanh": 0.8 * 1.3,
-               "passthru": 1.0}
+               "passthru": 1.0, "silu": 0.5, "gelu": 0.5, "gelu_tanh": 0.5,
+               "hardswish": 0.0, "hardsigmoid": 0.0, "mish": float(np.tanh(np.log(2.0)))}
 
 
 def test_kink_table_covers_every_mode() -> None:
@@ -168,6 +182,8 @@ def test_derivatives_at_kinks_follow_jax_nn(mode: str, device) -> None:
     assert float(gx.ravel()[0]) == pytest.approx(KINK_SLOPES[mode])
     if mode == "clipped_relu":
         assert float(gx.ravel()[1]) == 0.0  # at the clip, like jax.nn.relu6 at 6
+    if mode in ("hardswish", "hardsigmoid"):  # x = 3: relu6(x + 3) at its clip
+        assert float(gx.ravel()[1]) == (1.0 if mode == "hardswish" else 0.0)
 
 
 # ----- vmap -------------------------------------------------------------------------------------

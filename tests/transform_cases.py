@@ -102,6 +102,18 @@ def nn_activation(mode: str, y: Any, a: Any, b: Any, g: Any) -> Any:
         return jax.nn.leaky_relu(y, a)
     if mode is ActivationMode.ELU:
         return jax.nn.elu(y, a)
+    if mode is ActivationMode.SILU:
+        return jax.nn.silu(y)
+    if mode is ActivationMode.GELU:
+        return jax.nn.gelu(y, approximate=False)
+    if mode is ActivationMode.GELU_TANH:
+        return jax.nn.gelu(y, approximate=True)
+    if mode is ActivationMode.HARDSWISH:
+        return jax.nn.hard_swish(y)
+    if mode is ActivationMode.HARDSIGMOID:
+        return jax.nn.hard_sigmoid(y)
+    if mode is ActivationMode.MISH:
+        return jax.nn.mish(y)
     raise AssertionError(mode)
 
 

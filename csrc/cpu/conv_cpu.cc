@@ -462,6 +462,14 @@ JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
   } else if constexpr (Mode == kLeakyRelu) {
     const M positive = x > zero;
     return (V)(((M)x & positive) | ((M)(alpha * x) & ~positive));
+  } else if constexpr (Mode == kHardswish || Mode == kHardsigmoid) {
+    const V six = zero + 6.0f;
+    V r = x + 3.0f;
+    r = (V)((M)r & ~(r < zero));  // r < 0 ? 0 : r
+    const M clip = r > six;       // false for NaN
+    r = (V)(((M)six & clip) | ((M)r & ~clip)) / six;
+    if constexpr (Mode == kHardswish) return x * r;
+    return r;
   } else {
     return x;
   }
@@ -505,10 +513,14 @@ JF_ALWAYS_INLINE void StoreTileSinglePass(const Job& job, const float* tile, con
     case kRelu: JF_PIXELS(kRelu, false);
     case kClippedRelu: JF_PIXELS(kClippedRelu, false);
     case kLeakyRelu: JF_PIXELS(kLeakyRelu, false);
+    case kHardswish: JF_PIXELS(kHardswish, false);
+    case kHardsigmoid: JF_PIXELS(kHardsigmoid, false);
     case kPassthru: JF_PIXELS(kPassthru, false);
     case kNumActivationModes + kRelu: JF_PIXELS(kRelu, true);
     case kNumActivationModes + kClippedRelu: JF_PIXELS(kClippedRelu, true);
     case kNumActivationModes + kLeakyRelu: JF_PIXELS(kLeakyRelu, true);
+    case kNumActivationModes + kHardswish: JF_PIXELS(kHardswish, true);
+    case kNumActivationModes + kHardsigmoid: JF_PIXELS(kHardsigmoid, true);
     default: JF_PIXELS(kPassthru, true);
   }
 #undef JF_PIXELS

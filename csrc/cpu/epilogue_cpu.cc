@@ -79,6 +79,12 @@ JF_ALWAYS_INLINE void ActivateBlockDispatch(int mode, const Block& b, float alph
     case kClippedRelu: return ActivateBlock<kClippedRelu>(b, alpha, beta, gamma);
     case kLeakyRelu: return ActivateBlock<kLeakyRelu>(b, alpha, beta, gamma);
     case kElu: return ActivateBlock<kElu>(b, alpha, beta, gamma);
+    case kSilu: return ActivateBlock<kSilu>(b, alpha, beta, gamma);
+    case kGelu: return ActivateBlock<kGelu>(b, alpha, beta, gamma);
+    case kGeluTanh: return ActivateBlock<kGeluTanh>(b, alpha, beta, gamma);
+    case kHardswish: return ActivateBlock<kHardswish>(b, alpha, beta, gamma);
+    case kHardsigmoid: return ActivateBlock<kHardsigmoid>(b, alpha, beta, gamma);
+    case kMish: return ActivateBlock<kMish>(b, alpha, beta, gamma);
     default: return;
   }
 }
@@ -244,17 +250,25 @@ JF_ALWAYS_INLINE void FastDispatch(const Block& b, const FastArgs& f, bool side,
     case kRelu: return FastRows<D, kFromInput, false, kRelu>(b, f);
     case kClippedRelu: return FastRows<D, kFromInput, false, kClippedRelu>(b, f);
     case kLeakyRelu: return FastRows<D, kFromInput, false, kLeakyRelu>(b, f);
+    case kHardswish: return FastRows<D, kFromInput, false, kHardswish>(b, f);
+    case kHardsigmoid: return FastRows<D, kFromInput, false, kHardsigmoid>(b, f);
     case kNumActivationModes + kPassthru: return FastRows<D, kFromInput, true, kPassthru>(b, f);
     case kNumActivationModes + kRelu: return FastRows<D, kFromInput, true, kRelu>(b, f);
     case kNumActivationModes + kClippedRelu:
       return FastRows<D, kFromInput, true, kClippedRelu>(b, f);
     case kNumActivationModes + kLeakyRelu: return FastRows<D, kFromInput, true, kLeakyRelu>(b, f);
+    case kNumActivationModes + kHardswish: return FastRows<D, kFromInput, true, kHardswish>(b, f);
+    case kNumActivationModes + kHardsigmoid:
+      return FastRows<D, kFromInput, true, kHardsigmoid>(b, f);
     default: return;
   }
 }
 
+// The branch-free activations (selects, adds, multiplies, a division): their loops vectorize.
+// conv_cpu.cc's register-tile store (ActivateVec) handles exactly these too.
 bool IsFastActivation(int mode) {
-  return mode == kPassthru || mode == kRelu || mode == kClippedRelu || mode == kLeakyRelu;
+  return mode == kPassthru || mode == kRelu || mode == kClippedRelu || mode == kLeakyRelu ||
+         mode == kHardswish || mode == kHardsigmoid;
 }
 
 JF_MULTIVERSION void FastApply(const Block& b, const FastArgs& f, DType dtype, bool from_input,

@@ -33,7 +33,7 @@ struct EpilogueStage {
 
 // The common chains (a per-channel affine, a side add, a simple activation, each optional, in
 // that order) in the form a single pass applies: v * scale[c] + shift[c] (+ side_alpha * z),
-// then the activation (passthru, relu, clipped_relu or leaky_relu).
+// then the activation (passthru, relu, clipped_relu, leaky_relu, hardswish or hardsigmoid).
 struct SinglePass {
   const float* scale;
   const float* shift;

@@ -6,7 +6,7 @@
 //   bias        v + b[c]
 //   batchnorm   scale * (v - mean) * rsqrt(var + eps) + shift
 //   side add    v + side_alpha * z
-//   activation  f(v; alpha, beta, gamma), formulas from MIOpen's activation modes
+//   activation  f(v; alpha, beta, gamma), formulas from MIOpen's activation modes and jax.nn's
 #pragma once
 
 #if defined(__CUDACC__) || defined(__HIPCC__) || defined(__CUDACC_RTC__) || defined(__HIPCC_RTC__)
@@ -19,7 +19,8 @@
 
 namespace jaxfuse {
 
-// The numbering of miopenActivationMode_t, and of jaxfuse.ActivationMode.code.
+// The numbering of miopenActivationMode_t (then jax.nn's modes, appended), and of
+// jaxfuse.ActivationMode.code.
 enum ActivationMode : int {
   kPassthru = 0,
   kLogistic = 1,
@@ -31,7 +32,13 @@ enum ActivationMode : int {
   kClippedRelu = 7,
   kLeakyRelu = 8,
   kElu = 9,
-  kNumActivationModes = 10,
+  kSilu = 10,
+  kGelu = 11,
+  kGeluTanh = 12,
+  kHardswish = 13,
+  kHardsigmoid = 14,
+  kMish = 15,
+  kNumActivationModes = 16,
 };
 
 // Indices into the float32 scalars operand (jaxfuse/signature.py: SCALARS).
@@ -74,6 +81,27 @@ JF_HD float activate(float x, float a, float b, float g) {
   }
   if (Mode == kLeakyRelu) return x > 0.0f ? x : a * x;
   if (Mode == kElu) return x > 0.0f ? x : a * expm1f(x);
+  // jax.nn's, without overflow to NaN for any finite x; at -inf each is -inf * 0 = NaN, as
+  // jax.nn's formulas give. x / (1 + exp(-x)) is x * sigmoid(x) in one division.
+  if (Mode == kSilu) return x / (1.0f + expf(-x));
+  // 0.5 x erfc(-x / sqrt 2), as jax.nn.gelu(approximate=False) computes it (no 1 + erf(..)
+  // cancelling to 0 for negative x).
+  if (Mode == kGelu) return (0.5f * x) * erfcf(-x * 0.70710678118654752f);
+  // 0.5 x (1 + tanh(u)) is x sigmoid(2u), which does not cancel for negative u (jax.nn's tanh
+  // form rounds gelu_tanh(-5) to 0). x^3 may overflow to +-inf: then u is, and y is x or -0.
+  if (Mode == kGeluTanh) {
+    const float u = 0.79788456080286536f * (x + 0.044715f * (x * x * x));
+    return x / (1.0f + expf(-2.0f * u));
+  }
+  // relu6(x + 3) / 6, NaN passing through as in clipped_relu; hardswish is x times it.
+  if (Mode == kHardswish || Mode == kHardsigmoid) {
+    float r = x + 3.0f;
+    r = r < 0.0f ? 0.0f : r;
+    r = r > 6.0f ? 6.0f : r;
+    return Mode == kHardswish ? x * (r / 6.0f) : r / 6.0f;
+  }
+  // x tanh(softplus(x)), softplus as softrelu computes it: for large x, tanh(x) == 1, y == x.
+  if (Mode == kMish) return x * tanhf(fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
   return x;
 }
 
@@ -89,6 +117,12 @@ JF_HD float activate_dynamic(int mode, float x, float a, float b, float g) {
     case kClippedRelu: return activate<kClippedRelu>(x, a, b, g);
     case kLeakyRelu: return activate<kLeakyRelu>(x, a, b, g);
     case kElu: return activate<kElu>(x, a, b, g);
+    case kSilu: return activate<kSilu>(x, a, b, g);
+    case kGelu: return activate<kGelu>(x, a, b, g);
+    case kGeluTanh: return activate<kGeluTanh>(x, a, b, g);
+    case kHardswish: return activate<kHardswish>(x, a, b, g);
+    case kHardsigmoid: return activate<kHardsigmoid>(x, a, b, g);
+    case kMish: return activate<kMish>(x, a, b, g);
     default: return x;
   }
 }

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..activations import ActivationMode, activation_mode, reference_activation
 
@@ -73,9 +74,19 @@ _KNOWN_FUNCTIONS: tuple[tuple[Any, ActivationMode, str | None, float | None], ..
     (jax.nn.tanh, ActivationMode.TANH, None, None),
     (jnp.abs, ActivationMode.ABS, None, None),
     (jnp.absolute, ActivationMode.ABS, None, None),
+    # jax.nn.swish and hard_silu are these same objects.
+    (jax.nn.silu, ActivationMode.SILU, None, None),
+    (jax.nn.hard_swish, ActivationMode.HARDSWISH, None, None),
+    (jax.nn.hard_sigmoid, ActivationMode.HARDSIGMOID, None, None),
+    (jax.nn.mish, ActivationMode.MISH, None, None),
 )
-_KNOWN_NAMES = ("jax.nn.relu, relu6, leaky_relu, elu, sigmoid, softplus, tanh, "
-                "jax.numpy.tanh, jax.numpy.abs")
+# jax functions whose keyword picks the mode: (function, keyword, {value: mode}, its default).
+_MODE_KEYWORDS: tuple[tuple[Any, str, dict[bool, ActivationMode], bool], ...] = (
+    (jax.nn.gelu, "approximate",
+     {True: ActivationMode.GELU_TANH, False: ActivationMode.GELU}, True),
+)
+_KNOWN_NAMES = ("jax.nn.relu, relu6, leaky_relu, elu, sigmoid, softplus, tanh, silu, gelu, "
+                "hard_swish, hard_sigmoid, mish, jax.numpy.tanh, jax.numpy.abs")
 
 
 def resolve_activation(activation: ActivationLike, owner: str = "activation"
@@ -84,8 +95,10 @@ def resolve_activation(activation: ActivationLike, owner: str = "activation"
 
     Accepts a mode name (``"relu"``, ``"clipped_relu"``, ...), an :class:`ActivationMode`, an
     :class:`Activation`, one of the jax functions with a fused equivalent (``jax.nn.relu6`` is
-    ``clipped_relu`` with alpha 6, ``jax.nn.leaky_relu`` keeps jax's slope 0.01), or a
-    ``functools.partial`` of ``jax.nn.leaky_relu(negative_slope=...)`` / ``jax.nn.elu(alpha=...)``.
+    ``clipped_relu`` with alpha 6, ``jax.nn.leaky_relu`` keeps jax's slope 0.01,
+    ``jax.nn.gelu`` is ``gelu_tanh`` as its ``approximate=True`` default computes it), or a
+    ``functools.partial`` of ``jax.nn.leaky_relu(negative_slope=...)``,
+    ``jax.nn.elu(alpha=...)`` or ``jax.nn.gelu(approximate=...)`` (False: the ``gelu`` mode).
     """
     if activation is None or isinstance(activation, Activation):
         return activation
@@ -104,6 +117,18 @@ def _from_function(fn: Callable[..., Any], owner: str) -> Activation:
             raise ValueError(f"{owner}: functools.partial({fn.func!r}, ...) with positional "
                              "arguments cannot be fused; bind parameters by keyword")
         base, keywords = fn.func, dict(fn.keywords)
+    for known, keyword, modes, default in _MODE_KEYWORDS:
+        if base is not known:
+            continue
+        unknown = set(keywords) - {keyword}
+        if unknown:
+            raise ValueError(f"{owner}: keyword(s) {sorted(unknown)} of {known.__name__} have no "
+                             f"fused equivalent (only {keyword} picks a mode)")
+        value = keywords.get(keyword, default)
+        if not isinstance(value, bool | np.bool_):
+            raise ValueError(f"{owner}: {known.__name__}({keyword}={value!r}) cannot be fused; "
+                             f"{keyword} must be True or False")
+        return Activation(modes[bool(value)], fn=fn)
     for known, mode, keyword, default in _KNOWN_FUNCTIONS:
         if base is not known:
             continue

@@ -119,7 +119,8 @@ class ConvBNAct(nnx.Module):
       param_dtype: the parameters' dtype.
       activation: a mode name, a :class:`jaxfuse.flax.Activation`, a jax activation function
         with a fused equivalent (``jax.nn.relu``, ``relu6``, ``leaky_relu``, ``elu``,
-        ``sigmoid``, ``softplus``, ``tanh``, ``jnp.abs``), or None for no activation.
+        ``sigmoid``, ``softplus``, ``tanh``, ``silu``, ``gelu``, ``hard_swish``,
+        ``hard_sigmoid``, ``mish``, ``jnp.abs``), or None for no activation.
       rngs: the random generators for initialization.
     """
 

@@ -221,7 +221,7 @@ def _why_not(g: Graph, x: Value, steps: list[Step], problems: list[str]) -> str:
         return f"{what} is used by {len(users)} operations ({names}), so it must stay " \
                "materialized"
     eqn = g.jaxpr.eqns[tops.pop()]
-    if eqn.primitive.name not in POINTWISE:  # a single op or a wrapped call such as jit(silu)
+    if eqn.primitive.name not in POINTWISE:  # a single op or a wrapped call such as jit(celu)
         names = f"`{call_name(eqn)}`"
     return (f"{what} feeds {names}, which is not a recognized bias, batch norm, residual add "
             "or activation")

@@ -5,7 +5,9 @@ the chain's current value ``x``. Templates cover the forms real code produces: a
 or scale written with any broadcast, the subtract/multiply/add sequence batch norm is written as
 (by hand, by ``flax.linen.BatchNorm`` and ``flax.nnx.BatchNorm``), a residual add, casts, and the
 activations of ``jax.nn`` / ``jax.numpy`` as they appear after jit and custom-JVP wrappers are
-expanded. Activations map onto the plan's activation modes.
+expanded. Activations map onto the plan's activation modes; a form is matched only where it
+gives NaN and infinities what the mode gives (so ``where(x > 0, x, 0)``, which turns NaN into
+0, is not relu).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..activations import ActivationMode
+from ..activations import GELU_CUBIC, GELU_SCALE, ActivationMode
 from .graph import Graph, Node, Value
 
 __all__ = ["Operand", "Step", "candidate_steps"]
@@ -32,6 +34,10 @@ class Pattern:
 
     def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
         raise NotImplementedError
+
+    def roots(self) -> frozenset[str] | None:
+        """The primitives that can produce a matching value (None: any value may match)."""
+        return None
 
 
 class _Chain(Pattern):
@@ -90,6 +96,9 @@ class _Op(Pattern):
         for inputs in orders:
             yield from self._match_args(g, list(zip(self.args, inputs)), b, frozenset({node}))
 
+    def roots(self) -> frozenset[str] | None:
+        return frozenset({self.name})
+
     def _match_args(self, g: Graph, pairs: list[tuple[Pattern, Value]], b: Binding,
                     nodes: frozenset[Node]) -> Iterator[Match]:
         if not pairs:
@@ -100,6 +109,36 @@ class _Op(Pattern):
             yield from self._match_args(g, rest, b2, nodes | used)
 
 
+class _OpWith(_Op):
+    """`name` with equation parameters `params` (``integer_pow`` with ``y=3``)."""
+
+    def __init__(self, name: str, params: dict[str, Any], *args: Pattern):
+        super().__init__(name, *args)
+        self.params = params
+
+    def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
+        node = value.producer
+        if node is not None and all(node.params.get(k) == v for k, v in self.params.items()):
+            yield from super().matches(g, value, b)
+
+
+class _Rounded(Pattern):
+    """A constant equal to `number` rounded to the constant's dtype, as code writes an
+    irrational constant (jax.nn.gelu's sqrt(2 / pi) is 0.796875 in bfloat16)."""
+
+    def __init__(self, number: float):
+        self.number = number
+
+    def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            return
+        c = g.uniform_constant(value)
+        # Rounded directly, or through float32 first.
+        if c is not None and c in {float(np.asarray(n, value.dtype))
+                                   for n in (self.number, np.float32(self.number))}:
+            yield b, frozenset()
+
+
 class _OneOf(Pattern):
     def __init__(self, *options: Pattern):
         self.options = options
@@ -107,6 +146,10 @@ class _OneOf(Pattern):
     def matches(self, g: Graph, value: Value, b: Binding) -> Iterator[Match]:
         for option in self.options:
             yield from option.matches(g, value, b)
+
+    def roots(self) -> frozenset[str] | None:
+        roots = [option.roots() for option in self.options]
+        return None if None in roots else frozenset().union(*roots)
 
 
 def op(name: str, *args: Pattern) -> Pattern:
@@ -124,6 +167,10 @@ def one_of(*options: Pattern) -> Pattern:
 X = _Chain()
 ZERO = _Const(lambda c: c == 0.0)
 ONE = _Const(lambda c: c == 1.0)
+HALF = _Const(lambda c: c == 0.5)
+TWO = _Const(lambda c: c == 2.0)
+THREE = _Const(lambda c: c == 3.0)
+SIX = _Const(lambda c: c == 6.0)
 
 
 def _is_positive(x: Pattern) -> Pattern:
@@ -236,6 +283,43 @@ def _elu(negative: Callable[[Pattern], Pattern]) -> Pattern:
 
 _DIFF = one_of(op("sub", X, ZERO), X)
 _LOGADDEXP0 = comm("add", comm("max", X, ZERO), op("log1p", op("exp", op("neg", op("abs", _DIFF)))))
+# softplus as jax.nn writes it (logaddexp(x, 0): NaN-guarded or not) and as people do.
+_SOFTPLUS_FORMS = (
+    _LOGADDEXP0,
+    op("select_n", op("ne", _DIFF, _DIFF), _LOGADDEXP0, comm("add", X, ZERO)),
+    op("log1p", op("exp", X)),
+    op("log", comm("add", op("exp", X), ONE)),
+)
+_EXP_NEG_X = op("exp", op("neg", X))
+_SIGMOID_FORMS = (op("logistic", X), op("div", ONE, comm("add", ONE, _EXP_NEG_X)))
+
+
+def _half_x_times(f: Pattern) -> Pattern:
+    """``0.5 * x * f`` in the orders code multiplies it (jax.nn.gelu: ``x * (0.5 * f)``)."""
+    return one_of(comm("mul", comm("mul", HALF, X), f), comm("mul", X, comm("mul", HALF, f)),
+                  comm("mul", HALF, comm("mul", X, f)), op("div", comm("mul", X, f), TWO))
+
+
+# gelu: 0.5 x erfc(-x / sqrt 2) (jax.nn.gelu(approximate=False)) or 0.5 x (1 + erf(x / sqrt 2)).
+_X_OVER_SQRT2 = one_of(comm("mul", X, _Rounded(np.sqrt(0.5))), op("div", X, _Rounded(np.sqrt(2))))
+_GELU = _half_x_times(one_of(
+    op("erfc", one_of(comm("mul", op("neg", X), _Rounded(np.sqrt(0.5))), op("neg", _X_OVER_SQRT2),
+                      op("div", op("neg", X), _Rounded(np.sqrt(2))),
+                      comm("mul", X, _Rounded(-np.sqrt(0.5))))),
+    comm("add", ONE, op("erf", _X_OVER_SQRT2))))
+# gelu_tanh: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), x^3 as jnp.power / ** or products.
+_CUBE = one_of(_OpWith("integer_pow", {"y": 3}, X), comm("mul", X, comm("mul", X, X)),
+               comm("mul", X, op("square", X)), comm("mul", X, _OpWith("integer_pow", {"y": 2}, X)))
+_GELU_TANH = _half_x_times(comm("add", ONE, op("tanh", comm(
+    "mul", _Rounded(GELU_SCALE), comm("add", X, comm("mul", _Rounded(GELU_CUBIC), _CUBE))))))
+# hardsigmoid: relu6(x + 3) / 6 (jax.nn.hard_sigmoid), relu6 in any form that keeps NaN.
+_X_PLUS_3 = comm("add", X, THREE)
+_RELU6 = one_of(comm("min", comm("max", _X_PLUS_3, ZERO), SIX),
+                comm("max", comm("min", _X_PLUS_3, SIX), ZERO), op("clamp", ZERO, _X_PLUS_3, SIX))
+_SIXTH = _Rounded(1 / 6)
+_HARD_SIGMOID = one_of(op("div", _RELU6, SIX), comm("mul", _RELU6, _SIXTH))
+_HARD_SWISH = one_of(comm("mul", X, _HARD_SIGMOID), op("div", comm("mul", X, _RELU6), SIX),
+                     comm("mul", comm("mul", X, _RELU6), _SIXTH))
 
 _TEMPLATES: tuple[_Template, ...] = (
     # Affine and residual steps (the operand's shape decides which, in :func:`_classify`).
@@ -269,20 +353,28 @@ _TEMPLATES: tuple[_Template, ...] = (
     _Template("elu", _elu(lambda expm1: comm("mul", _Param("alpha"), expm1)),
               _activation(ActivationMode.ELU, "alpha")),
     _Template("elu", _elu(lambda expm1: expm1), _activation(ActivationMode.ELU)),
-    _Template("sigmoid", op("logistic", X), _activation(ActivationMode.LOGISTIC)),
-    _Template("sigmoid", op("div", ONE, comm("add", ONE, op("exp", op("neg", X)))),
-              _activation(ActivationMode.LOGISTIC)),
+    *(_Template("sigmoid", form, _activation(ActivationMode.LOGISTIC))
+      for form in _SIGMOID_FORMS),
     _Template("tanh", op("tanh", X), _activation(ActivationMode.TANH)),
     _Template("abs", op("abs", X), _activation(ActivationMode.ABS)),
-    _Template("softplus", _LOGADDEXP0, _activation(ActivationMode.SOFTRELU)),
-    _Template("softplus", op("select_n", op("ne", _DIFF, _DIFF), _LOGADDEXP0,
-                             comm("add", X, ZERO)), _activation(ActivationMode.SOFTRELU)),
-    _Template("softplus", op("log1p", op("exp", X)), _activation(ActivationMode.SOFTRELU)),
-    _Template("softplus", op("log", comm("add", op("exp", X), ONE)),
-              _activation(ActivationMode.SOFTRELU)),
+    *(_Template("softplus", form, _activation(ActivationMode.SOFTRELU))
+      for form in _SOFTPLUS_FORMS),
+    # jax.nn's activations beyond MIOpen's. Each form gives NaN for NaN and for -inf (x * 0),
+    # +inf for +inf, as the epilogue does.
+    _Template("silu", one_of(*(comm("mul", X, f) for f in _SIGMOID_FORMS),
+                             op("div", X, comm("add", ONE, _EXP_NEG_X))),
+              _activation(ActivationMode.SILU)),
+    _Template("gelu", _GELU, _activation(ActivationMode.GELU)),
+    _Template("gelu_tanh", _GELU_TANH, _activation(ActivationMode.GELU_TANH)),
+    _Template("hardswish", _HARD_SWISH, _activation(ActivationMode.HARDSWISH)),
+    _Template("hardsigmoid", _HARD_SIGMOID, _activation(ActivationMode.HARDSIGMOID)),
+    _Template("mish", comm("mul", X, op("tanh", one_of(*_SOFTPLUS_FORMS))),
+              _activation(ActivationMode.MISH)),
 )
 
 _MAX_DEPTH = 10  # the largest template spans this many nodes from x to its result
+# Each template's possible root primitives: a node of any other kind is not tried against it.
+_ROOTS = tuple(template.pattern.roots() for template in _TEMPLATES)
 
 
 def _downstream(x: Value) -> list[Node]:
@@ -313,6 +405,8 @@ def candidate_steps(g: Graph, x: Value, channel_axis: int) -> tuple[list[Step], 
             continue
         root = node.outputs[0]
         for order, template in enumerate(_TEMPLATES):
+            if _ROOTS[order] is not None and node.name not in _ROOTS[order]:
+                continue
             for binding, nodes in template.pattern.matches(g, root, {"x": x}):
                 if not all(user in nodes for user in x.users):
                     continue
