@@ -4,6 +4,7 @@ float64 reference. Tolerances live here, stated once."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -186,3 +187,66 @@ def assert_matches_with_nonfinite(out: Any, ref: np.ndarray, tol: float) -> None
     assert np.isfinite(out[finite]).all(), "non-finite output where the reference is finite"
     err = np.linalg.norm(out[finite] - ref[finite]) / max(np.linalg.norm(ref[finite]), 1e-30)
     assert err <= tol, f"relative error {err:.3g}"
+
+
+def compiler_available(platform: str = "CUDA") -> bool:
+    """Whether the runtime compiler of "CUDA" (NVRTC) or "ROCM" (hiprtc) can be loaded here."""
+    try:
+        jf._extension.extension().gpu_compiler(platform)
+        return True
+    except RuntimeError:
+        return False
+
+
+# ----- plan strings edited at random (fuzzing the parser and the handlers) -----------------------
+
+# Payloads that would matter if a plan's text reached the compiler or a log line.
+PLAN_PAYLOADS = ["\n#error JF_INJECTED\n", '\n#include "/proc/self/environ"\n', "\n#define C 0\n",
+                 "*/", "/*", "\\\n", "\r\n", "\x00", "\x1b[2J", "\u2028", "\U0001f600", "é",
+                 "%s%n", "${HOME}", "'\"", " ", "\t"]
+
+
+def edited_plan(draw: Any, plan: str, edits: tuple[int, int]) -> str:
+    """`plan` after `edits` (min, max) random edits drawn with hypothesis's `draw`: numbers
+    replaced or respelled with leading zeros, characters and payloads inserted, deleted or
+    replaced, fields dropped, repeated (also with a payload as their value) or moved, the
+    string cut short."""
+    from hypothesis import strategies as st
+
+    numbers = st.one_of(st.integers(-3, 40), st.sampled_from(
+        [0, 2**31 - 1, 2**31, 2**32 + 1, 2**62, 2**63, -(2**63), 10**30, 1 << 30, -(1 << 30)]))
+    chars = st.sampled_from(list(";=,-_+0123456789CBNSAXfNHWCOIs#\n\r\x00\x7fé ")
+                            + PLAN_PAYLOADS)
+    for _ in range(draw(st.integers(*edits))):
+        fields = plan.split(";")
+        kind = draw(st.sampled_from(["number", "number", "insert", "delete", "replace", "drop",
+                                     "repeat", "payload", "swap", "swap", "truncate", "zeros",
+                                     "zeros"]))
+        if kind in ("number", "zeros"):
+            spans = [m.span() for m in re.finditer(r"-?\d+", plan)]
+            if spans:
+                a, b = draw(st.sampled_from(spans))
+                new = str(draw(numbers)) if kind == "number" else "000" + plan[a:b].lstrip("-")
+                plan = plan[:a] + new + plan[b:]
+        elif kind in ("insert", "delete", "replace") and plan:
+            i = draw(st.integers(0, len(plan) - 1))
+            char = draw(chars)
+            plan = {"insert": plan[:i] + char + plan[i:], "delete": plan[:i] + plan[i + 1:],
+                    "replace": plan[:i] + char + plan[i + 1:]}[kind]
+        elif kind in ("drop", "repeat", "payload", "swap") and len(fields) > 1:
+            i = draw(st.integers(1, len(fields) - 1))
+            j = draw(st.integers(1, len(fields) - 1))
+            key = fields[i].split("=")[0]
+            if kind == "drop":
+                del fields[i]
+            elif kind == "repeat":
+                fields.insert(j, fields[i])
+            elif kind == "payload":  # a repeated field carrying code (the injection forgery)
+                fields.insert(j, f"{key}={draw(st.sampled_from(PLAN_PAYLOADS))}")
+            else:
+                fields[i], fields[j] = fields[j], fields[i]
+            plan = ";".join(fields)
+        elif kind == "truncate":
+            plan = plan[: draw(st.integers(0, len(plan)))]
+    return plan
+

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import Case
+from cases import Case, edited_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -165,41 +165,10 @@ def test_lying_and_malformed_plans_are_refused(compiled, device) -> None:
 
 # ----- fuzzed plan strings ----------------------------------------------------------------------
 
-_NUMBERS = st.one_of(st.integers(-3, 20), st.sampled_from(
-    [2**31 - 1, 2**31, 2**32 + 1, 2**62, 2**63, -(2**63), 10**30, 1 << 30]))
-
-
 @st.composite
 def _mutated(draw: Any, plan: str) -> str:
-    """`plan` after one to three random edits: a number replaced, a character inserted,
-    deleted or replaced, a field dropped, repeated or moved, the string cut short."""
-    for _ in range(draw(st.integers(1, 3))):
-        fields = plan.split(";")
-        kind = draw(st.sampled_from(["number", "insert", "delete", "replace", "drop", "repeat",
-                                     "swap", "truncate"]))
-        if kind == "number":
-            spans = [m.span() for m in re.finditer(r"-?\d+", plan)]
-            if spans:
-                a, b = draw(st.sampled_from(spans))
-                plan = plan[:a] + str(draw(_NUMBERS)) + plan[b:]
-        elif kind in ("insert", "delete", "replace") and plan:
-            i = draw(st.integers(0, len(plan) - 1))
-            char = draw(st.sampled_from(list(";=,-+0123456789CBNSAXfs \x00é")))
-            plan = {"insert": plan[:i] + char + plan[i:], "delete": plan[:i] + plan[i + 1:],
-                    "replace": plan[:i] + char + plan[i + 1:]}[kind]
-        elif kind in ("drop", "repeat", "swap") and len(fields) > 1:
-            i = draw(st.integers(1, len(fields) - 1))
-            j = draw(st.integers(1, len(fields) - 1))
-            if kind == "drop":
-                del fields[i]
-            elif kind == "repeat":
-                fields.insert(j, fields[i])
-            else:
-                fields[i], fields[j] = fields[j], fields[i]
-            plan = ";".join(fields)
-        elif kind == "truncate":
-            plan = plan[: draw(st.integers(0, len(plan)))]
-    return plan
+    """`plan` after one to three random edits (:func:`cases.edited_plan`)."""
+    return edited_plan(draw, plan, (1, 3))
 
 
 def test_fuzzed_plan_strings_never_crash(compiled, device) -> None:

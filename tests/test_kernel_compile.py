@@ -8,22 +8,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from cases import Case
+from cases import Case, compiler_available
 
 from jaxfuse._extension import extension
 from jaxfuse.activations import ActivationMode
 
-
-def _compiler_available(platform: str) -> bool:
-    """Whether the runtime compiler of "CUDA" (NVRTC) or "ROCM" (hiprtc) can be loaded."""
-    try:
-        extension().gpu_compiler(platform)
-        return True
-    except RuntimeError:
-        return False
-
-
-if not _compiler_available("CUDA"):
+if not compiler_available("CUDA"):
     if os.environ.get("JAXFUSE_REQUIRE_NVRTC") == "1":
         raise RuntimeError("JAXFUSE_REQUIRE_NVRTC=1 but NVRTC cannot be loaded")
     pytest.skip("NVRTC is not installed", allow_module_level=True)
@@ -135,7 +125,7 @@ def test_every_variant_of_real_layers_compiles(case: Case, arch: str) -> None:
                                             variant=variant)["binary_bytes"] > 0
 
 
-HIPRTC = _compiler_available("ROCM")
+HIPRTC = compiler_available("ROCM")
 if not HIPRTC and os.environ.get("JAXFUSE_REQUIRE_HIPRTC") == "1":
     raise RuntimeError("JAXFUSE_REQUIRE_HIPRTC=1 but hiprtc cannot be loaded")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from cases import Case
+from cases import Case, compiler_available, edited_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,15 +31,7 @@ FIELD_ORDER = ("dtype", "layout", "in", "ops", "conv", "bn", "act")
 GRAMMAR = re.compile(r"[A-Za-z0-9;=,\-_]*")
 
 
-def _nvrtc_available() -> bool:
-    try:
-        extension().gpu_compiler("CUDA")
-    except RuntimeError:
-        return False
-    return True
-
-
-NVRTC = _nvrtc_available()
+NVRTC = compiler_available("CUDA")
 
 # Plans of every shape the parser knows: with and without a convolution, each dtype, layout,
 # filter layout, batch-norm mode; negative padding and tf32 off.
@@ -202,56 +194,14 @@ for plan in json.load(sys.stdin):
     print(json.dumps(out), flush=True)
 """
 
-# Payloads that would matter if a plan's text reached the compiler or a log line.
-_PAYLOADS = ["\n#error JF_INJECTED\n", '\n#include "/proc/self/environ"\n', "\n#define C 0\n",
-             "*/", "/*", "\\\n", "\r\n", "\x00", "\x1b[2J", "\u2028", "\U0001f600", "é", "%s%n",
-             "${HOME}", "'\"", " ", "\t"]
-_NUMBERS = st.one_of(st.integers(-3, 40), st.sampled_from(
-    [0, 2**31 - 1, 2**31, 2**32 + 1, 2**62, 2**63, -(2**63), 10**30, 1 << 30, -(1 << 30)]))
-_CHARS = st.sampled_from(list(";=,-_+0123456789CBNSAXfNHWCOIs#\n\r\x00\x7fé ") + _PAYLOADS)
-
-
 @st.composite
 def fuzzed_plans(draw: Any) -> str:
-    """A valid plan after up to four random edits (numbers replaced or respelled, characters and
-    payloads inserted, fields repeated with a payload, dropped, moved or cut short), or random
+    """A valid plan after up to four random edits (:func:`cases.edited_plan`), or random
     text."""
     if draw(st.integers(0, 9)) == 0:
         return draw(st.one_of(st.text(max_size=80),
                               st.text(max_size=40).map(lambda t: "jaxfuse1;" + t)))
-    plan = draw(st.sampled_from(PLANS))
-    for _ in range(draw(st.integers(0, 4))):
-        fields = plan.split(";")
-        kind = draw(st.sampled_from(["number", "number", "insert", "delete", "replace", "drop",
-                                     "repeat", "payload", "swap", "swap", "truncate", "zeros",
-                                     "zeros"]))
-        if kind in ("number", "zeros"):
-            spans = [m.span() for m in re.finditer(r"-?\d+", plan)]
-            if spans:
-                a, b = draw(st.sampled_from(spans))
-                new = str(draw(_NUMBERS)) if kind == "number" else "000" + plan[a:b].lstrip("-")
-                plan = plan[:a] + new + plan[b:]
-        elif kind in ("insert", "delete", "replace") and plan:
-            i = draw(st.integers(0, len(plan) - 1))
-            char = draw(_CHARS)
-            plan = {"insert": plan[:i] + char + plan[i:], "delete": plan[:i] + plan[i + 1:],
-                    "replace": plan[:i] + char + plan[i + 1:]}[kind]
-        elif kind in ("drop", "repeat", "payload", "swap") and len(fields) > 1:
-            i = draw(st.integers(1, len(fields) - 1))
-            j = draw(st.integers(1, len(fields) - 1))
-            key = fields[i].split("=")[0]
-            if kind == "drop":
-                del fields[i]
-            elif kind == "repeat":
-                fields.insert(j, fields[i])
-            elif kind == "payload":  # the issue's forgery: a repeated field carrying code
-                fields.insert(j, f"{key}={draw(st.sampled_from(_PAYLOADS))}")
-            else:
-                fields[i], fields[j] = fields[j], fields[i]
-            plan = ";".join(fields)
-        elif kind == "truncate":
-            plan = plan[: draw(st.integers(0, len(plan)))]
-    return plan
+    return edited_plan(draw, draw(st.sampled_from(PLANS)), (0, 4))
 
 
 def _run_child(plans: list[str], compiles: int) -> list[dict[str, Any]]:

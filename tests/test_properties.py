@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from cases import FILTER_SHAPES, Case, assert_matches_with_nonfinite, run_case
+from cases import (
+    FILTER_SHAPES,
+    Case,
+    assert_matches_with_nonfinite,
+    compiler_available,
+    run_case,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -565,14 +571,6 @@ def test_functional_api_arguments(device) -> None:
 
 # ----- GPU kernels for any accepted geometry compile (NVRTC; no GPU needed) ---------------------
 
-def _nvrtc_available() -> bool:
-    try:
-        extension().gpu_compiler("CUDA")
-    except RuntimeError:
-        return False
-    return True
-
-
 @st.composite
 def _tensor_core_geometries(draw: Any) -> Geometry:
     """Geometry the tensor-core solvers take (NHWC, 16-bit, channels in multiples of 8 or 16),
@@ -591,7 +589,7 @@ def _tensor_core_geometries(draw: Any) -> Geometry:
         n=draw(_mostly(st.just(g.n), st.sampled_from([8, 64]), 3)))
 
 
-@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not installed")
+@pytest.mark.skipif(not compiler_available("CUDA"), reason="NVRTC is not installed")
 def test_gpu_kernels_compile_for_any_accepted_geometry() -> None:
     ext = extension()
 
