@@ -33,6 +33,7 @@ from jax import lax
 from ._extension import extension
 from .activations import ActivationMode, jax_activation
 from .errors import FusionError
+from .primitive import fused_chain_p
 from .runtime import gpu_platform
 from .signature import SCALARS, PlanSignature
 
@@ -102,8 +103,6 @@ def _prepare_gpu(ext: Any, encoded: str, device: Any) -> FusedKernel:
 
 def fused_function(signature: PlanSignature) -> Callable[..., jax.Array]:
     """The fused kernel as a traceable function of the primitive's operands."""
-    from .primitive import fused_chain_p  # the primitive module imports this one's users
-
     def run(*operands: Any) -> jax.Array:
         return fused_chain_p.bind(*operands, signature=signature)
 
