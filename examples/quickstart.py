@@ -18,8 +18,9 @@ conv = plan.add_conv_forward(jf.ConvDesc(strides=1, padding="SAME"),
 bias = plan.add_bias_forward(jf.TensorDesc((K,), "float32"))
 bn = plan.add_batchnorm_inference("spatial")
 act = plan.add_activation_forward("relu")
-plan.compile()
+plan.compile()  # times jaxfuse's fused kernel against XLA's ops here and keeps the faster
 print(plan, "->", plan.output_desc)
+print("runs on:", plan.kernel_info["solver"], "measured us:", plan.kernel_info.get("candidates_us"))
 
 
 def unfused(x, w, b, scale, shift, mean, var, eps=1e-5):
