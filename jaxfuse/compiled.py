@@ -38,7 +38,8 @@ class CompiledPlan:
     fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")
     times_us: tuple[tuple[str, float], ...] = ()  # measured per run, by candidate
     failures: tuple[tuple[str, str], ...] = ()  # why a candidate was dropped, by candidate
-    decided: str = "forced"  # "measured", "disk cache", or "forced" (by the mode)
+    # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
+    decided: str = "forced"
 
     @property
     def uses_xla(self) -> bool:
@@ -129,7 +130,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
         # XLA's composition runs wherever jax does: the plan still has a solver.
         logger.debug("jaxfuse: the fused kernel for %s is not available: %s",
                      signature.describe(), err)
-        return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="measured",
+        return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="fallback",
                             **common)
     common.update(details=fused.details, fused_kernel=fused.label)
     if mode == "fused":

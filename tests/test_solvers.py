@@ -127,7 +127,7 @@ def test_a_kernel_that_cannot_be_built_is_dropped(monkeypatch, caplog) -> None:
     plan, _ = SMALL.build()
     with caplog.at_level("DEBUG", logger="jaxfuse"):
         plan.compile(solver="auto")
-    assert plan.solver == "xla"
+    assert plan.solver == "xla" and plan.kernel_info["decided"] == "fallback"
     assert "static assertion failed" in plan.kernel_info["failed"]["fused"]
     assert "not available" in caplog.text
     run_case(SMALL, jax.devices("cpu")[0], solver="auto")  # runs, through XLA
