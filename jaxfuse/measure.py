@@ -30,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from ._extension import STOPWATCH_TARGET, extension
-from .runtime import gpu_platform
+from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "relative_error",
@@ -177,9 +177,7 @@ class Harness:
 
 
 def _new_stopwatch(device: Any) -> int:
-    ordinal = getattr(device, "local_hardware_id", None)
-    return extension().stopwatch_new(gpu_platform(device), device.id if ordinal is None
-                                     else ordinal)
+    return extension().stopwatch_new(gpu_platform(device), gpu_ordinal(device))
 
 
 def _delete_stopwatch(stopwatch: int | None) -> None:

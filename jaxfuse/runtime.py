@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "compiler_search_paths", "gpu_platform", "kernel_cache_dir"]
+__all__ = ["cache_dir", "compiler_search_paths", "gpu_ordinal", "gpu_platform",
+           "kernel_cache_dir"]
 
 
 def cache_dir() -> Path | None:
@@ -61,3 +62,9 @@ def gpu_platform(device: Any) -> str:
     """"CUDA" or "ROCM" for a jax GPU device (jax calls both platform "gpu")."""
     version = str(getattr(device.client, "platform_version", "")).lower()
     return "ROCM" if "rocm" in version or "hip" in version else "CUDA"
+
+
+def gpu_ordinal(device: Any) -> int:
+    """The device's index for the driver (its local hardware id; jax's id where none)."""
+    ordinal = getattr(device, "local_hardware_id", None)
+    return device.id if ordinal is None else ordinal

@@ -34,7 +34,7 @@ from ._extension import extension
 from .activations import ActivationMode, jax_activation
 from .errors import FusionError
 from .primitive import fused_chain_p
-from .runtime import gpu_platform
+from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "prepare_fused",
@@ -90,9 +90,7 @@ def prepare_fused(signature: PlanSignature, device: Any) -> FusedKernel:
 
 
 def _prepare_gpu(ext: Any, encoded: str, device: Any) -> FusedKernel:
-    platform = gpu_platform(device)
-    ordinal = getattr(device, "local_hardware_id", None)
-    ordinal = device.id if ordinal is None else ordinal
+    platform, ordinal = gpu_platform(device), gpu_ordinal(device)
     if platform == "ROCM":  # HIP cannot report its architecture name portably
         ext.gpu_register_device(platform, ordinal, str(device.compute_capability),
                                 int(getattr(device, "core_count", 0)), 64 * 1024)
