@@ -73,10 +73,15 @@ NB_MODULE(_jaxfuse_ext, m) {
   m.def("stopwatch_new", [](std::string_view platform, int ordinal) {
     return jaxfuse::gpu::NewStopwatch(ParsePlatform(platform), ordinal);
   }, nb::arg("platform"), nb::arg("ordinal"), "A new device stopwatch's id.");
-  m.def("stopwatch_ms", [](int64_t id) {
-    nb::gil_scoped_release release;  // waits for the device
-    return jaxfuse::gpu::ReadStopwatch(id);
-  }, nb::arg("id"), "Milliseconds between the stopwatch's last marks (waits for the end).");
+  m.def("stopwatch_read", [](int64_t id) {
+    jaxfuse::gpu::StopwatchReading reading;
+    {
+      nb::gil_scoped_release release;  // waits for the device
+      reading = jaxfuse::gpu::ReadStopwatch(id);
+    }
+    return nb::make_tuple(reading.device_ms, reading.host_ms, reading.gated);
+  }, nb::arg("id"),
+        "(device ms, host ms, gated) between the stopwatch's last marks (waits for the end).");
   m.def("stopwatch_delete", &jaxfuse::gpu::DeleteStopwatch, nb::arg("id"));
 
   m.def("cpu_prepare", [](std::string_view plan) {

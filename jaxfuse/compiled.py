@@ -36,7 +36,8 @@ class CompiledPlan:
     details: tuple[tuple[str, Any], ...] = ()  # the fused kernel's tile, variant, arch, origin
     mode: str = "fused"  # "auto", "fused" or "xla" (see jaxfuse.solvers)
     fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")
-    times_us: tuple[tuple[str, float], ...] = ()  # measured per run, by candidate
+    times_us: tuple[tuple[str, float], ...] = ()  # measured cost per run, by candidate
+    host_us: tuple[tuple[str, float], ...] = ()  # of which the host's launch work (GPUs)
     failures: tuple[tuple[str, str], ...] = ()  # why a candidate was dropped, by candidate
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
@@ -53,6 +54,8 @@ class CompiledPlan:
             info["fused_kernel"] = self.fused_kernel
         if self.times_us:
             info["candidates_us"] = dict(self.times_us)
+        if self.host_us:
+            info["candidates_host_us"] = dict(self.host_us)
         if self.failures:
             info["failed"] = dict(self.failures)
         return info
@@ -137,7 +140,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
         return CompiledPlan(kernel=fused.solver, **common)
     decision = find.choose(signature, device, fused)
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
-                        times_us=decision.times_us, failures=decision.failures,
+                        times_us=decision.times_us, host_us=decision.host_us,
+                        failures=decision.failures,
                         decided=decision.origin, **common)
 
 

@@ -2,7 +2,9 @@
 
 For a signature on a device, :func:`choose` times jaxfuse's fused kernel and XLA's unfused
 composition in one harness (:mod:`jaxfuse.measure`) on random inputs of the plan's shapes,
-checks that they agree, and keeps the faster. A candidate that fails (compiles, runs, or
+checks that they agree, and keeps the faster; the fused kernel must win by a margin
+(:data:`MARGIN`), since a tie is noise and XLA's composition may fuse with its neighbours in a
+whole program. A candidate that fails (compiles, runs, or
 disagrees with the other) is dropped and the reason kept; XLA's composition runs wherever jax
 does, so a plan always has a solver.
 
@@ -32,11 +34,13 @@ from .measure import Harness, device_timing, random_operands, relative_error, se
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
-__all__ = ["Decision", "choose", "stats"]
+__all__ = ["MARGIN", "Decision", "choose", "stats"]
 
 logger = logging.getLogger("jaxfuse")
 
 FUSED = "fused"
+# The fused kernel runs a plan only when it costs at most (1 - MARGIN) of XLA's composition.
+MARGIN = 0.03
 # How far the fused result may be from XLA's (norm-relative) before it counts as wrong: XLA
 # itself runs float32 convolutions in TF32 and rounds between the unfused steps.
 _TOLERANCE = {"float32": 1e-2, "float16": 2e-2, "bfloat16": 4e-2}
@@ -55,19 +59,23 @@ class Decision:
 
     Attributes:
       solver: ``"fused"`` or ``"xla"``.
-      times_us: measured microseconds per run, by candidate (``"fused"``, ``"xla"``).
+      times_us: measured cost in microseconds per run, by candidate (``"fused"``, ``"xla"``):
+        the longer of device time and the host's launch work (:class:`~jaxfuse.measure.Timing`).
       failures: why a candidate was dropped, by candidate.
       origin: ``"measured"`` now, or ``"disk cache"``.
+      host_us: of `times_us`, the host's launch work per run, by candidate (GPUs).
     """
 
     solver: str
     times_us: tuple[tuple[str, float], ...] = ()
     failures: tuple[tuple[str, str], ...] = ()
     origin: str = "measured"
+    host_us: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps({"solver": self.solver, "times_us": dict(self.times_us),
-                           "failures": dict(self.failures)}).encode()
+                           "failures": dict(self.failures),
+                           "host_us": dict(self.host_us)}).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> Decision | None:
@@ -77,11 +85,12 @@ class Decision:
             solver = raw["solver"]
             times = tuple((str(k), float(v)) for k, v in raw["times_us"].items())
             failures = tuple((str(k), str(v)) for k, v in raw["failures"].items())
+            host = tuple((str(k), float(v)) for k, v in raw.get("host_us", {}).items())
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             return None
         if solver not in (FUSED, XLA):
             return None
-        return cls(solver, times, failures, origin="disk cache")
+        return cls(solver, times, failures, origin="disk cache", host_us=host)
 
 
 def stats() -> dict[str, int]:
@@ -112,6 +121,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
 
 def _measure(signature: PlanSignature, device: Any) -> Decision:
     times: dict[str, float] = {}
+    host: dict[str, float] = {}
     failures: dict[str, str] = {}
     if any(d == 0 for d in signature.output_shape):
         return Decision(FUSED, failures=((XLA, "not measured: the output is empty"),))
@@ -124,8 +134,10 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
         for name, make in ((FUSED, fused_function), (XLA, xla_function)):
             try:
                 harness = Harness.compile(make(signature), sets, device)
-                outputs[name], seconds = harness.run()
-                times[name] = seconds * 1e6
+                outputs[name], timing = harness.run()
+                times[name] = timing.cost * 1e6
+                if timing.host:
+                    host[name] = timing.host * 1e6
             except Exception as err:
                 failures[name] = _first_line(err)
                 logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,
@@ -137,9 +149,20 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
                 logger.warning("jaxfuse: the fused kernel for %s disagrees with XLA (relative "
                                "error %.2e); XLA runs it", signature.describe(), error)
                 times.pop(FUSED, None)
+    return Decision(_faster(times, failures), tuple(times.items()), tuple(failures.items()),
+                    host_us=tuple(host.items()))
+
+
+def _faster(times: dict[str, float], failures: dict[str, str]) -> str:
+    """The solver to run: the fused kernel where it beats XLA by :data:`MARGIN` or XLA failed,
+    XLA where it is close or the fused kernel failed (and the fused kernel when nothing was
+    measured: its own errors then reach the caller)."""
     working = {k: v for k, v in times.items() if k not in failures}
-    solver = min(working, key=working.get) if working else FUSED
-    return Decision(solver, tuple(times.items()), tuple(failures.items()))
+    if XLA not in working:
+        return FUSED
+    if FUSED not in working:
+        return XLA
+    return FUSED if working[FUSED] <= (1 - MARGIN) * working[XLA] else XLA
 
 
 def _first_line(err: BaseException) -> str:
@@ -162,4 +185,4 @@ def _environment_key(device_kind: str, platform: str) -> str:
 
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     environment = _environment_key(device.device_kind, device.platform.lower())
-    return f"jaxfuse-solver-v1|{environment}|{fused.label}|{signature.encode()}"
+    return f"jaxfuse-solver-v2|{environment}|{fused.label}|{signature.encode()}"

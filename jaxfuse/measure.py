@@ -3,8 +3,10 @@
 Every candidate is a traceable function of the primitive's operands. Each is compiled into one
 ``jax.jit`` program that runs it on K distinct random input sets (straight-line code, so the
 K runs follow each other as a model's layers do), and the program is run several times; the
-time per run is the median over those of (program time / K). Program time is device time
-between two stopwatch marks on GPUs, wall time on CPUs. All candidates take the same
+time per run is the median over those of (program time / K). On GPUs two times are taken
+between two stopwatch marks: the device's (with the device held until the host has queued
+the whole program, so the pace of launches does not count) and the host's; a candidate costs
+the longer of the two (:class:`Timing`). On CPUs the time is wall time. All candidates take the same
 operands. The runtime scalars (epsilon, activation parameters) are constants of the program,
 as they are when a plan runs with concrete scalars, so XLA may fold them as it would there.
 
@@ -33,8 +35,8 @@ from ._extension import STOPWATCH_TARGET, extension
 from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
-__all__ = ["TIMING_SCALARS", "Harness", "device_timing", "random_operands", "relative_error",
-           "set_count"]
+__all__ = ["TIMING_SCALARS", "Harness", "Timing", "device_timing", "random_operands",
+           "relative_error", "set_count"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
@@ -115,14 +117,28 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     return [make(jax.random.fold_in(base, i)) for i in range(sets)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per run of a candidate: the device's work and, on GPUs, the host's (launching
+    it). A model runs its layers' host and device work side by side, so the longer one is what
+    a layer adds: device time for large problems, launch work for tiny ones (:attr:`cost`)."""
+
+    device: float
+    host: float = 0.0
+
+    @property
+    def cost(self) -> float:
+        return max(self.device, self.host)
+
+
 @dataclasses.dataclass
 class Harness:
     """One candidate compiled into the timing program, for one list of input sets.
 
     On GPUs the program marks its start and end with a device stopwatch (the
-    ``jaxfuse_stopwatch`` custom call), so a run is timed on the device: host dispatch and
-    launch latency, which would dominate a few-microsecond kernel, are not counted. On CPUs
-    the wall time of awaited calls is the measure.
+    ``jaxfuse_stopwatch`` custom call), so a run is timed on the device, from a start the
+    device reaches only once the host has queued the whole program; the host's time between
+    the marks is its launch work. On CPUs the wall time of awaited calls is the measure.
     """
 
     run_all: Any  # the compiled program: input sets -> (one output per set, stopwatch token)
@@ -157,23 +173,26 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
-    def run(self) -> tuple[jax.Array, float]:
+    def run(self) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
-        median seconds per run (see the class docstring). The first run, which also loads
+        median times per run (see the class docstring). The first run, which also loads
         modules and allocates, is not timed."""
         sets = list(self.sets)
         first = jax.block_until_ready(self.run_all(sets))[0][0]
-        runs: list[float] = []
+        device: list[float] = []
+        host: list[float] = []
         deadline = time.perf_counter() + _BUDGET_SECONDS[self.platform]
-        while len(runs) < _MIN_RUNS[self.platform] or (len(runs) < _MAX_RUNS and
-                                                       time.perf_counter() < deadline):
+        while len(device) < _MIN_RUNS[self.platform] or (len(device) < _MAX_RUNS and
+                                                         time.perf_counter() < deadline):
             start = time.perf_counter()
             jax.block_until_ready(self.run_all(sets))
             seconds = time.perf_counter() - start
             if self.stopwatch is not None:
-                seconds = extension().stopwatch_ms(self.stopwatch) * 1e-3
-            runs.append(seconds / len(sets))
-        return first, statistics.median(runs)
+                device_ms, host_ms, _ = extension().stopwatch_read(self.stopwatch)
+                seconds = device_ms * 1e-3
+                host.append(host_ms * 1e-3 / len(sets))
+            device.append(seconds / len(sets))
+        return first, Timing(statistics.median(device), statistics.median(host) if host else 0.0)
 
 
 def _new_stopwatch(device: Any) -> int:

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models probe
 #
-# Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, FINAL_CAP, LAYERS_CAP, MODELS_CAP
+# Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent.
@@ -49,7 +49,7 @@ if has tests; then
   # shellcheck disable=SC2086
   JAXFUSE_AUTOTUNE=0 timeout "${TESTS_CAP:-240}" $py -m pytest tests -m gpu -q \
     -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --durations=5 ${TESTS_ARGS:-} \
-    > "$OUT/tests.log" 2>&1
+    ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -15
 fi

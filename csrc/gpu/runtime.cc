@@ -189,6 +189,10 @@ struct Driver::Api {
   Result (*event_synchronize)(Handle);
   Result (*event_elapsed)(float*, Handle, Handle);
   Result (*event_destroy)(Handle);
+  // Stream memory operations (optional: absent in old drivers). HIP's wait takes a mask.
+  Result (*wait_value32)(Handle, void*, uint32_t, unsigned) = nullptr;                // CUDA
+  Result (*hip_wait_value32)(Handle, void*, uint32_t, unsigned, uint32_t) = nullptr;  // HIP
+  Result (*write_value32)(Handle, void*, uint32_t, unsigned) = nullptr;
   Result (*cu_error_string)(Result, const char**);  // CUDA
   const char* (*hip_error_string)(Result);         // HIP
   mutable std::mutex mu;
@@ -248,7 +252,15 @@ Driver::Driver(Platform platform) : platform_(platform) {
   if (cuda) {
     Require(lib, "cuFuncSetAttribute", &api->func_set_attribute);
     Require(lib, "cuGetErrorString", &api->cu_error_string);
+    if (!lib.Get("cuStreamWaitValue32_v2", &api->wait_value32) ||
+        !lib.Get("cuStreamWriteValue32_v2", &api->write_value32)) {
+      api->wait_value32 = nullptr, api->write_value32 = nullptr;
+    }
   } else {
+    if (!lib.Get("hipStreamWaitValue32", &api->hip_wait_value32) ||
+        !lib.Get("hipStreamWriteValue32", &api->write_value32)) {
+      api->hip_wait_value32 = nullptr, api->write_value32 = nullptr;
+    }
     Require(lib, "hipGetErrorString", &api->hip_error_string);
   }
   api_ = api.release();
@@ -420,6 +432,38 @@ double Driver::ElapsedMs(int ordinal, void* start, void* end) const {
   float ms = 0;
   Check(api_->event_elapsed(&ms, start, end), "reading an event");
   return ms;
+}
+
+bool Driver::HasStreamGates() const {
+  return api_->write_value32 != nullptr &&
+         (api_->wait_value32 != nullptr || api_->hip_wait_value32 != nullptr);
+}
+
+void Driver::WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {
+  ContextScope scope(*this, ordinal);
+  // Flag 0: CU_STREAM_WAIT_VALUE_GEQ / hipStreamWaitValueGte.
+  Check(api_->wait_value32 != nullptr
+            ? api_->wait_value32(stream, device_ptr, value, 0)
+            : api_->hip_wait_value32(stream, device_ptr, value, 0, 0xffffffffu),
+        "holding a stream");
+}
+
+void Driver::WriteValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {
+  ContextScope scope(*this, ordinal);
+  Check(api_->write_value32(stream, device_ptr, value, 0), "releasing a stream");
+}
+
+void* Driver::CreateStream(int ordinal) const {
+  ContextScope scope(*this, ordinal);
+  Handle stream = nullptr;
+  Check(api_->stream_create(&stream, 1), "creating a stream");  // 1: non-blocking
+  return stream;
+}
+
+void Driver::DestroyStream(int ordinal, void* stream) const {
+  if (stream == nullptr) return;
+  ContextScope scope(*this, ordinal);
+  api_->stream_destroy(stream);
 }
 
 double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry,

@@ -3,6 +3,7 @@
 // platform; nothing here is linked, so the extension imports on machines without a GPU.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -78,6 +79,16 @@ class Driver {
   void RecordEvent(void* event, void* stream) const;
   // Milliseconds between two recorded events; waits for `end` to complete.
   double ElapsedMs(int ordinal, void* start, void* end) const;
+
+  // Stream gates, so a stopwatch times device work without the host's launch work
+  // (gpu/stopwatch.h): WaitValue holds `stream` until the 32-bit word at `device_ptr` reaches
+  // `value` (wrap-around compare); WriteValue sets the word, in order on `stream`. Both need
+  // the driver's stream memory operations: HasStreamGates() says whether it has them.
+  bool HasStreamGates() const;
+  void WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const;
+  void WriteValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const;
+  void* CreateStream(int ordinal) const;  // non-blocking
+  void DestroyStream(int ordinal, void* stream) const;
 
  private:
   explicit Driver(Platform platform);

@@ -1,28 +1,120 @@
 #include "gpu/stopwatch.h"
 
+#include <chrono>
+#include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace jaxfuse::gpu {
 namespace {
 
-struct Stopwatch {
-  Platform platform;
-  int ordinal;
-  void* events[2];
+using Clock = std::chrono::steady_clock;
+// How long a closed gate waits for its end mark before it opens by itself (a program that
+// fails between the marks must not leave XLA's stream held).
+constexpr auto kGateTimeout = std::chrono::seconds(2);
+
+class Stopwatch {
+ public:
+  Stopwatch(Platform platform, int ordinal) : platform_(platform), ordinal_(ordinal) {
+    const Driver& driver = Driver::Get(platform);
+    try {
+      events_[0] = driver.CreateEvent(ordinal);
+      events_[1] = driver.CreateEvent(ordinal);
+      if (driver.HasStreamGates()) {
+        gate_ = driver.Allocate(ordinal, sizeof(uint32_t));
+        release_stream_ = driver.CreateStream(ordinal);
+        const uint32_t zero = 0;
+        driver.CopyToDevice(ordinal, gate_, &zero, sizeof(zero));
+      }
+    } catch (...) {
+      Release();
+      throw;
+    }
+  }
+  ~Stopwatch() { Release(); }
+  Stopwatch(const Stopwatch&) = delete;
+  Stopwatch& operator=(const Stopwatch&) = delete;
+
+  // Mark 0: close the gate, then the start event; a watchdog opens the gate if mark 1 never
+  // comes. Mark 1: the end event, then open the gate.
+  void Mark(int mark, void* stream, const std::shared_ptr<Stopwatch>& self) {
+    const Driver& driver = Driver::Get(platform_);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (mark == 0) {
+      OpenLocked();  // a start without an end: never leave an earlier gate closed
+      if (gate_ != nullptr) {
+        driver.WaitValue(ordinal_, stream, gate_, ++generation_);
+        open_ = false;
+        std::thread([self, generation = generation_] { self->Watch(generation); }).detach();
+      }
+      driver.RecordEvent(events_[0], stream);
+      host_[0] = Clock::now();
+    } else {
+      driver.RecordEvent(events_[1], stream);
+      host_[1] = Clock::now();
+      gated_ = gate_ != nullptr && !open_;
+      OpenLocked();
+    }
+  }
+
+  StopwatchReading Read() {
+    Clock::time_point start, end;
+    bool gated;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      start = host_[0], end = host_[1], gated = gated_;
+    }
+    const double device_ms = Driver::Get(platform_).ElapsedMs(ordinal_, events_[0], events_[1]);
+    return {device_ms, std::chrono::duration<double, std::milli>(end - start).count(), gated};
+  }
+
+ private:
+  void Watch(uint32_t generation) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, kGateTimeout, [&] { return open_ || generation_ != generation; });
+    if (!open_ && generation_ == generation) OpenLocked();
+  }
+
+  void OpenLocked() {
+    if (open_) return;
+    open_ = true;
+    Driver::Get(platform_).WriteValue(ordinal_, release_stream_, gate_, generation_);
+    cv_.notify_all();
+  }
+
+  void Release() {
+    const Driver& driver = Driver::Get(platform_);
+    for (void* event : events_) driver.DestroyEvent(ordinal_, event);
+    driver.DestroyStream(ordinal_, release_stream_);
+    driver.Free(ordinal_, gate_);
+  }
+
+  const Platform platform_;
+  const int ordinal_;
+  void* events_[2] = {nullptr, nullptr};
+  void* gate_ = nullptr;  // device word the stream waits on; null without stream gates
+  void* release_stream_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint32_t generation_ = 0;
+  bool open_ = true;
+  bool gated_ = false;
+  Clock::time_point host_[2];
 };
 
-std::mutex mu;
+std::mutex table_mu;
 int64_t next_id = 1;
-std::map<int64_t, Stopwatch>& Table() {
-  static auto* table = new std::map<int64_t, Stopwatch>();
+std::map<int64_t, std::shared_ptr<Stopwatch>>& Table() {
+  static auto* table = new std::map<int64_t, std::shared_ptr<Stopwatch>>();
   return *table;
 }
 
-Stopwatch Find(int64_t id) {
-  std::lock_guard<std::mutex> lock(mu);
+std::shared_ptr<Stopwatch> Find(int64_t id) {
+  std::lock_guard<std::mutex> lock(table_mu);
   auto it = Table().find(id);
   if (it == Table().end()) {
     throw std::invalid_argument("jaxfuse: no stopwatch " + std::to_string(id));
@@ -33,41 +125,27 @@ Stopwatch Find(int64_t id) {
 }  // namespace
 
 int64_t NewStopwatch(Platform platform, int ordinal) {
-  const Driver& driver = Driver::Get(platform);
-  Stopwatch watch{platform, ordinal, {driver.CreateEvent(ordinal), nullptr}};
-  try {
-    watch.events[1] = driver.CreateEvent(ordinal);
-  } catch (...) {
-    driver.DestroyEvent(ordinal, watch.events[0]);
-    throw;
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  Table()[next_id] = watch;
+  auto watch = std::make_shared<Stopwatch>(platform, ordinal);
+  std::lock_guard<std::mutex> lock(table_mu);
+  Table()[next_id] = std::move(watch);
   return next_id++;
 }
 
 void MarkStopwatch(int64_t id, int mark, void* stream) {
   if (mark != 0 && mark != 1) throw std::invalid_argument("jaxfuse: stopwatch mark is 0 or 1");
-  const Stopwatch watch = Find(id);
-  Driver::Get(watch.platform).RecordEvent(watch.events[mark], stream);
+  const std::shared_ptr<Stopwatch> watch = Find(id);
+  watch->Mark(mark, stream, watch);
 }
 
-double ReadStopwatch(int64_t id) {
-  const Stopwatch watch = Find(id);
-  return Driver::Get(watch.platform).ElapsedMs(watch.ordinal, watch.events[0], watch.events[1]);
-}
+StopwatchReading ReadStopwatch(int64_t id) { return Find(id)->Read(); }
 
 void DeleteStopwatch(int64_t id) {
-  Stopwatch watch;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = Table().find(id);
-    if (it == Table().end()) return;
-    watch = it->second;
-    Table().erase(it);
-  }
-  const Driver& driver = Driver::Get(watch.platform);
-  for (void* event : watch.events) driver.DestroyEvent(watch.ordinal, event);
+  std::shared_ptr<Stopwatch> watch;  // freed here, or by a watchdog still holding it
+  std::lock_guard<std::mutex> lock(table_mu);
+  auto it = Table().find(id);
+  if (it == Table().end()) return;
+  watch = std::move(it->second);
+  Table().erase(it);
 }
 
 }  // namespace jaxfuse::gpu

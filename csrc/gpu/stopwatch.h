@@ -1,8 +1,13 @@
 // Stopwatches on a device's stream: the device time between two points of an XLA program, for
 // timing candidate solvers at plan-compile time (jaxfuse/measure.py). A program marks the start
 // and the end with the "jaxfuse_stopwatch" custom call (ffi/stopwatch_handler.cc); the host
-// reads the elapsed time once the program has run. Host work and launch latency before the
-// first mark are not counted, so a few-microsecond kernel is timed as well as a long one.
+// reads the elapsed time once the program has run.
+//
+// The start mark also closes a gate on the stream that the end mark opens (where the driver
+// has stream memory operations): the device starts the timed work only once the host has
+// queued all of it, so the device time is the work's own, not the pace of the host's launches
+// (which a whole model hides behind earlier layers). The host's own time between the marks is
+// read too: it is what the work costs where nothing hides it (small problems).
 #pragma once
 
 #include <cstdint>
@@ -11,12 +16,18 @@
 
 namespace jaxfuse::gpu {
 
-// A new stopwatch on device `ordinal` (two timing events); its id never repeats.
+struct StopwatchReading {
+  double device_ms;  // from the start mark to the end mark, on the device
+  double host_ms;    // from the start mark's launch to the end mark's, on the host
+  bool gated;        // whether the device waited for the end mark (see above)
+};
+
+// A new stopwatch on device `ordinal`; its id never repeats.
 int64_t NewStopwatch(Platform platform, int ordinal);
 // Records mark 0 (start) or 1 (end) of stopwatch `id` on `stream`. Throws for an unknown id.
 void MarkStopwatch(int64_t id, int mark, void* stream);
-// Milliseconds from the last start mark to the last end mark (waits for the end).
-double ReadStopwatch(int64_t id);
+// The times from the last start mark to the last end mark (waits for the end).
+StopwatchReading ReadStopwatch(int64_t id);
 void DeleteStopwatch(int64_t id);
 
 }  // namespace jaxfuse::gpu

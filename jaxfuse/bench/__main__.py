@@ -74,6 +74,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args[:1])[0], reference)
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
+            row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
     for mode in timed:
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]

@@ -54,11 +54,13 @@ class FusedGroup:
 
     @property
     def saved_us(self) -> float | None:
-        """Microseconds per run the solver saves over the other candidate (None unmeasured)."""
+        """Microseconds per run the solver saves over the other candidate (None unmeasured;
+        below zero where XLA runs a chain the fused kernel was within the margin of)."""
         times = dict(self.times_us)
         if "fused" not in times or "xla" not in times:
             return None
-        return abs(times["xla"] - times["fused"])
+        chosen = "xla" if self.solver == "xla" else "fused"
+        return times["xla" if chosen == "fused" else "fused"] - times[chosen]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +113,8 @@ class FusionReport:
                          f"{_saved(g.saved_us for g in groups)}")
         for g in self.to_xla:
             times = dict(g.times_us)
-            why = (f"XLA measured faster ({times['xla']:.1f} us vs {times['fused']:.1f} us fused)"
+            why = (f"XLA measured faster or within the margin ({times['xla']:.1f} us vs "
+                   f"{times['fused']:.1f} us fused)"
                    if "fused" in times and "xla" in times else "XLA chosen")
             lines.append(f"  xla   {g.plan} at {g.where}: {why}")
         for s in self.left_alone:
@@ -119,7 +122,8 @@ class FusionReport:
         measured = [g for g in (*self.fused, *self.to_xla) if g.saved_us is not None]
         if measured:
             unfused = sum(dict(g.times_us)["xla"] for g in measured)
-            chosen = sum(min(dict(g.times_us).values()) for g in measured)
+            chosen = sum(dict(g.times_us)["fused" if g in self.fused else "xla"]
+                         for g in measured)
             lines.append(f"  measured chains: {chosen:.1f} us per call as chosen, "
                          f"{unfused:.1f} us all-XLA (saves {unfused - chosen:.1f} us)")
         return "\n".join(lines)
