@@ -37,7 +37,8 @@ class CompiledPlan:
     mode: str = "fused"  # "auto", "fused" or "xla" (see jaxfuse.solvers)
     fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")
     times_us: tuple[tuple[str, float], ...] = ()  # measured cost per run, by candidate
-    host_us: tuple[tuple[str, float], ...] = ()  # of which the host's launch work (GPUs)
+    device_us: tuple[tuple[str, float], ...] = ()  # its parts: device time (GPUs) ...
+    host_us: tuple[tuple[str, float], ...] = ()  # ... and the host's launch work
     failures: tuple[tuple[str, str], ...] = ()  # why a candidate was dropped, by candidate
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
@@ -55,6 +56,7 @@ class CompiledPlan:
         if self.times_us:
             info["candidates_us"] = dict(self.times_us)
         if self.host_us:
+            info["candidates_device_us"] = dict(self.device_us)
             info["candidates_host_us"] = dict(self.host_us)
         if self.failures:
             info["failed"] = dict(self.failures)
@@ -140,7 +142,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
         return CompiledPlan(kernel=fused.solver, **common)
     decision = find.choose(signature, device, fused)
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
-                        times_us=decision.times_us, host_us=decision.host_us,
+                        times_us=decision.times_us, device_us=decision.device_us,
+                        host_us=decision.host_us,
                         failures=decision.failures,
                         decided=decision.origin, **common)
 

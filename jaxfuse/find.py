@@ -63,18 +63,21 @@ class Decision:
         the longer of device time and the host's launch work (:class:`~jaxfuse.measure.Timing`).
       failures: why a candidate was dropped, by candidate.
       origin: ``"measured"`` now, or ``"disk cache"``.
-      host_us: of `times_us`, the host's launch work per run, by candidate (GPUs).
+      device_us, host_us: the two parts of `times_us` per run, by candidate (GPUs): device
+        time and the host's launch work; a whole program weighs them together (its host
+        runs ahead of its device), see :mod:`jaxfuse.rewrite.choice`.
     """
 
     solver: str
     times_us: tuple[tuple[str, float], ...] = ()
     failures: tuple[tuple[str, str], ...] = ()
     origin: str = "measured"
+    device_us: tuple[tuple[str, float], ...] = ()
     host_us: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> bytes:
         return json.dumps({"solver": self.solver, "times_us": dict(self.times_us),
-                           "failures": dict(self.failures),
+                           "failures": dict(self.failures), "device_us": dict(self.device_us),
                            "host_us": dict(self.host_us)}).encode()
 
     @classmethod
@@ -85,12 +88,13 @@ class Decision:
             solver = raw["solver"]
             times = tuple((str(k), float(v)) for k, v in raw["times_us"].items())
             failures = tuple((str(k), str(v)) for k, v in raw["failures"].items())
+            device = tuple((str(k), float(v)) for k, v in raw.get("device_us", {}).items())
             host = tuple((str(k), float(v)) for k, v in raw.get("host_us", {}).items())
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             return None
         if solver not in (FUSED, XLA):
             return None
-        return cls(solver, times, failures, origin="disk cache", host_us=host)
+        return cls(solver, times, failures, origin="disk cache", device_us=device, host_us=host)
 
 
 def stats() -> dict[str, int]:
@@ -121,7 +125,8 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
 
 def _measure(signature: PlanSignature, device: Any) -> Decision:
     times: dict[str, float] = {}
-    host: dict[str, float] = {}
+    device_us: dict[str, float] = {}
+    host_us: dict[str, float] = {}
     failures: dict[str, str] = {}
     if any(d == 0 for d in signature.output_shape):
         return Decision(FUSED, failures=((XLA, "not measured: the output is empty"),))
@@ -137,7 +142,7 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
                 outputs[name], timing = harness.run()
                 times[name] = timing.cost * 1e6
                 if timing.host:
-                    host[name] = timing.host * 1e6
+                    device_us[name], host_us[name] = timing.device * 1e6, timing.host * 1e6
             except Exception as err:
                 failures[name] = _first_line(err)
                 logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,
@@ -150,7 +155,7 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
                                "error %.2e); XLA runs it", signature.describe(), error)
                 times.pop(FUSED, None)
     return Decision(_faster(times, failures), tuple(times.items()), tuple(failures.items()),
-                    host_us=tuple(host.items()))
+                    device_us=tuple(device_us.items()), host_us=tuple(host_us.items()))
 
 
 def _faster(times: dict[str, float], failures: dict[str, str]) -> str:

@@ -155,9 +155,10 @@ class FusionPlan:
     def kernel_info(self) -> dict[str, Any]:
         """What runs the compiled plan and why: ``solver`` (as :attr:`solver`), the ``mode``,
         how it was ``decided`` ("measured", "disk cache", "forced" by the mode, or "fallback"
-        to XLA when no fused kernel can be built), the measured ``candidates_us`` and why any
-        candidate ``failed``; on GPUs the fused kernel's ``tile``, autotuned ``variant``,
-        ``arch`` and binary ``origin``. Empty before ``compile()``."""
+        to XLA when no fused kernel can be built), the measured ``candidates_us`` (on GPUs
+        also split into ``candidates_device_us`` and ``candidates_host_us``, the launch work)
+        and why any candidate ``failed``; on GPUs the fused kernel's ``tile``, autotuned
+        ``variant``, ``arch`` and binary ``origin``. Empty before ``compile()``."""
         if not self.is_compiled:
             return {}
         return self._compiled.info()

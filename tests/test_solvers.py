@@ -4,6 +4,8 @@ decision is memoized in memory and on disk, and the user can force either."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -287,6 +289,70 @@ def test_fuse_leaves_chains_xla_runs_faster_as_they_were() -> None:
     assert dict(group.times_us).keys() == {"fused", "xla"}
     assert "measured chains:" in report.summary()
     assert len(report.fused) + len(report.to_xla) == 1
+
+
+def _costs(key, fused, xla, own="xla", count=1):
+    """A chain measured at fused = (device, host) and xla = (device, host) microseconds."""
+    from jaxfuse.rewrite.choice import ChainCosts
+
+    return ChainCosts(key, count, own, {"fused": fused[0], "xla": xla[0]},
+                      {"fused": fused[1], "xla": xla[1]})
+
+
+def test_a_device_bound_program_chooses_by_device_time() -> None:
+    from jaxfuse.rewrite.choice import choose_for_program
+
+    # Batch 64: XLA's launches (cuDNN host work) are long, but its kernels are faster and the
+    # device work outweighs all launches, so the launches hide.
+    chains = [_costs("a", (44, 3), (39, 50), count=3), _costs("b", (84, 4), (68, 49)),
+              _costs("stem", (507, 16), (613, 97)), _costs("tie", (99, 3), (100, 40))]
+    assert choose_for_program(chains) == {"a": "xla", "b": "xla", "stem": "fused",
+                                          "tie": "xla"}
+
+
+def test_a_launch_bound_program_moves_chains_to_cheap_launches() -> None:
+    from jaxfuse.rewrite.choice import choose_for_program
+
+    # Batch 1: each XLA chain is 2-3 us on the device behind 40 us of launches.
+    chains = [_costs(i, (4.0, 3.0), (3.0, 40.0)) for i in range(10)]
+    chains.append(_costs("unmeasured", (1.0, 1.0), (1.0, 1.0), own="fused"))
+    chains[-1] = dataclasses.replace(chains[-1], device_us={}, host_us={})
+    choice = choose_for_program(chains)
+    assert all(choice[i] == "fused" for i in range(10)) and choice["unmeasured"] == "fused"
+    # ... but only as far as the launches are the longer sum.
+    mixed = [_costs("big", (900, 5), (1000, 60)), _costs("small", (10, 3), (5, 40))]
+    assert choose_for_program(mixed) == {"big": "fused", "small": "xla"}
+
+
+def test_fuse_follows_the_program_choice_over_the_plans_own(monkeypatch) -> None:
+    """Chains the plans gave to XLA but the program runs fused get the fused kernel, and the
+    reverse; results are unchanged."""
+    fuse_module = importlib.import_module("jaxfuse.rewrite.fuse")
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 10, 10, 8)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((3, 3, 8, 8)) / 8, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((1, 1, 8, 16)) / 3, jnp.float32)
+
+    def net(x, w1, w2):
+        dn = ("NHWC", "HWIO", "NHWC")
+        y = jax.nn.relu(jax.lax.conv_general_dilated(x, w1, (1, 1), "SAME",
+                                                     dimension_numbers=dn))
+        return jax.nn.relu(jax.lax.conv_general_dilated(y, w2, (1, 1), "SAME",
+                                                        dimension_numbers=dn))
+
+    expected = net(x, w1, w2)
+    for own, program in (("xla", "fused"), ("fused", "xla")):
+        jf.clear_cache()
+        monkeypatch.setattr(find, "_faster", lambda times, failures, own=own: own)
+        monkeypatch.setattr(fuse_module, "choose_for_program",
+                            lambda chains, program=program: {c.key: program for c in chains})
+        fused = jf.fuse(net, solver="auto")
+        report = jf.fusion_report(fused, x, w1, w2)
+        if program == "fused":
+            assert report.fused_calls == 2 and [g.solver for g in report.fused] == ["cpu"] * 2
+        else:
+            assert report.fused_calls == 0 and len(report.to_xla) == 2
+        np.testing.assert_allclose(fused(x, w1, w2), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_empty_output_is_not_measured() -> None:

@@ -19,7 +19,9 @@ import jax
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
+from ..find import FUSED
 from ..solvers import XLA, solver_mode
+from .choice import ChainCosts, choose_for_program
 from .graph import Graph, Value, call_name
 from .lowering import build_plan, compile_plans, emit, plan_of
 from .matcher import Group, Skipped, find_groups
@@ -37,12 +39,13 @@ _BODY_PARAMS = {"jaxpr", "call_jaxpr", "branches", "cond_jaxpr", "body_jaxpr"}
 
 class Recorder:
     """Collects what the rewrite did in every scope (for :func:`jaxfuse.fusion_report`):
-    per scope, the groups fused, the groups left to XLA because it measured faster, and the
+    per scope, the groups fused, the groups left to XLA by measurement, and the
     convolutions that could not start a chain."""
 
     def __init__(self) -> None:
         self.scopes: list[tuple[str, list[Group], list[Group], list[Skipped]]] = []
         self.notes: list[tuple[str, JaxprEqn, str]] = []
+        self.solvers: dict[int, str] = {}  # id(group) -> what runs it (a kernel, or "xla")
 
 
 _recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
@@ -72,9 +75,10 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     that point. Results match `fn` up to rounding.
 
     Each chain's plan is compiled with `solver` (see :meth:`jaxfuse.FusionPlan.compile`): in
-    ``"auto"``, the default, a chain for which XLA's own kernels measured faster than the
-    fused one on this device is left exactly as `fn` computes it, so the fused program is
-    never slower than `fn` chain by chain.
+    ``"auto"``, the default, both candidates are measured on this device and the program's
+    chains are assigned together (device-bound programs by device time, launch-bound ones
+    also by the host's launch work; :mod:`jaxfuse.rewrite.choice`); a chain given to XLA is
+    left exactly as `fn` computes it.
 
     The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
     ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
@@ -148,11 +152,18 @@ class Rewriter:
             g = Graph(jaxpr, list(consts))
             groups, skipped = find_groups(g, build_plan)
             compile_plans(groups, self.solver)
+            solvers = self._program_choice(groups)
             # Chains XLA runs faster keep their own equations: plain jax.jit's program.
-            to_xla = [group for group in groups if plan_of(group).solver == XLA]
-            groups = [group for group in groups if plan_of(group).solver != XLA]
+            to_xla = [group for group in groups if solvers[id(group)] == XLA]
+            groups = [group for group in groups if solvers[id(group)] != XLA]
+            # Fused groups whose own plan chose XLA run the plan that forces the kernel.
+            forced = {id(group): FUSED for group in groups if plan_of(group).solver == XLA}
             if self.recorder is not None:
                 self.recorder.scopes.append(("/".join(self._scope), groups, to_xla, skipped))
+                for group in groups:
+                    self.recorder.solvers[id(group)] = plan_of(group, forced.get(id(group))).solver
+        else:
+            forced = {}
         consumed = set().union(*(group.tops for group in groups))
         emit_at = {group.emit_at: group for group in groups}
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
@@ -177,7 +188,7 @@ class Rewriter:
             if index in emit_at:
                 group = emit_at[index]
                 with _source_context(group.conv.eqn):
-                    result = emit(group, read, g)
+                    result = emit(group, read, g, forced.get(id(group)))
                 for var in group.out.top_vars:
                     env[var] = result
                 continue
@@ -189,6 +200,30 @@ class Rewriter:
                 if not isinstance(var, DropVar):
                     env[var] = val
         return [a.val if isinstance(a, Literal) else env[a] for a in jaxpr.outvars]
+
+    def _program_choice(self, groups: list[Group]) -> dict[int, str]:
+        """What runs each group, id(group) -> FUSED or XLA: in auto mode the program's choice
+        (choice.py), else each plan's own. A group the program runs fused although its plan
+        chose XLA gets the plan that forces the fused kernel (compiled here)."""
+        own = {id(g): XLA if plan_of(g).solver == XLA else FUSED for g in groups}
+        if solver_mode(self.solver) != "auto":
+            return own
+        by_plan: dict[int, list[Group]] = {}
+        for group in groups:
+            by_plan.setdefault(id(plan_of(group)), []).append(group)
+        chains = []
+        for key, members in by_plan.items():
+            info = plan_of(members[0]).kernel_info
+            chains.append(ChainCosts(key, len(members), own[id(members[0])],
+                                     info.get("candidates_device_us", {}),
+                                     info.get("candidates_host_us", {})))
+        choice = choose_for_program(chains)
+        solvers = {}
+        for key, members in by_plan.items():
+            if choice[key] == FUSED and own[id(members[0])] == XLA:
+                plan_of(members[0], FUSED).compile(solver=FUSED)
+            solvers.update((id(group), choice[key]) for group in members)
+        return solvers
 
     # ----- nested bodies ----------------------------------------------------------------------
     def _bind_rewritten(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:

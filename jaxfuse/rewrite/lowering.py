@@ -34,7 +34,9 @@ Reader = Callable[[Value], Any]
 
 @functools.lru_cache(maxsize=1024)
 def _built_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, letters: str,
-                activation: ActivationMode | None) -> tuple[FusionPlan, tuple[Any, ...]]:
+                activation: ActivationMode | None,
+                solver: str | None) -> tuple[FusionPlan, tuple[Any, ...]]:
+    del solver  # one plan object per solver mode: the program's choice may differ (choice.py)
     plan = FusionPlan(x_desc)
     handles: list[Any] = [plan.add_conv_forward(conv, w_desc)]
     channels = plan.output_desc.dim("C")
@@ -51,17 +53,19 @@ def _built_plan(x_desc: TensorDesc, w_desc: TensorDesc, conv: ConvDesc, letters:
     return plan, tuple(handles)
 
 
-def build_plan(info: ConvInfo, plan_ops: tuple[PlanOp, ...]) -> tuple[FusionPlan, tuple[Any, ...]]:
+def build_plan(info: ConvInfo, plan_ops: tuple[PlanOp, ...],
+               solver: str | None = None) -> tuple[FusionPlan, tuple[Any, ...]]:
     """The validated plan (memoized; compiled by :func:`compile_plans`) and its operator
-    handles, conv first."""
+    handles, conv first. `solver` None: the plan compiled with the rewrite's solver mode;
+    ``"fused"``: a separate plan object that forces the fused kernel."""
     letters = "".join(op.letter for op in plan_ops)
     activation = next((op.steps[0].mode for op in plan_ops if op.letter == "A"), None)
-    return _built_plan(info.x_desc, info.w_desc, info.conv, letters, activation)
+    return _built_plan(info.x_desc, info.w_desc, info.conv, letters, activation, solver)
 
 
-def plan_of(group: Group) -> FusionPlan:
+def plan_of(group: Group, solver: str | None = None) -> FusionPlan:
     """The group's plan (as built by :func:`build_plan`)."""
-    return build_plan(group.info, group.plan_ops)[0]
+    return build_plan(group.info, group.plan_ops, solver)[0]
 
 
 def compile_plans(groups: list[Group], solver: str | None = None) -> None:
@@ -78,10 +82,11 @@ def compile_plans(groups: list[Group], solver: str | None = None) -> None:
             future.result()
 
 
-def emit(group: Group, read: Reader, g: Graph) -> jax.Array:
-    """The fused call for `group`; `read` gives the current value of any operand."""
+def emit(group: Group, read: Reader, g: Graph, solver: str | None = None) -> jax.Array:
+    """The fused call for `group`; `read` gives the current value of any operand. `solver`
+    as for :func:`build_plan` (that plan compiled)."""
     info = group.info
-    plan, handles = build_plan(info, group.plan_ops)
+    plan, handles = build_plan(info, group.plan_ops, solver)
     x = jnp.asarray(read(group.conv.inputs[0])).astype(info.dtype)
     w = jnp.asarray(read(group.conv.inputs[1]))
     if info.filter_perm is not None:

@@ -75,7 +75,7 @@ class LeftAlone:
 
 @dataclasses.dataclass(frozen=True)
 class FusionReport:
-    """The fused groups, the chains left to XLA because it measured faster, the convolutions
+    """The fused groups, the chains left to XLA by measurement, the convolutions
     left alone, and the rewritten program."""
 
     fused: tuple[FusedGroup, ...]
@@ -96,7 +96,7 @@ class FusionReport:
         return len(self.fused)
 
     def _headline(self) -> str:
-        xla = f", {len(self.to_xla)} left to XLA (measured faster)" if self.to_xla else ""
+        xla = f", {len(self.to_xla)} left to XLA (by measurement)" if self.to_xla else ""
         return (f"jaxfuse: {len(self.fused)} chain(s) fused{xla}, {len(self.left_alone)} "
                 "left alone")
 
@@ -113,7 +113,7 @@ class FusionReport:
                          f"{_saved(g.saved_us for g in groups)}")
         for g in self.to_xla:
             times = dict(g.times_us)
-            why = (f"XLA measured faster or within the margin ({times['xla']:.1f} us vs "
+            why = (f"XLA chosen by measurement ({times['xla']:.1f} us vs "
                    f"{times['fused']:.1f} us fused)"
                    if "fused" in times and "xla" in times else "XLA chosen")
             lines.append(f"  xla   {g.plan} at {g.where}: {why}")
@@ -166,8 +166,8 @@ def fusion_report(fn: Callable[..., Any], *example_args: Any,
     to_xla: list[FusedGroup] = []
     left: list[LeftAlone] = []
     for scope, groups, xla_groups, skipped in recorder.scopes:
-        fused += [_describe_group(scope, g) for g in groups]
-        to_xla += [_describe_group(scope, g) for g in xla_groups]
+        fused += [_describe_group(scope, g, recorder.solvers[id(g)]) for g in groups]
+        to_xla += [_describe_group(scope, g, "xla") for g in xla_groups]
         left += [_describe_skipped(scope, s) for s in skipped]
     left += [LeftAlone(eqn.primitive.name, _where(eqn), scope, note)
              for scope, eqn, note in recorder.notes]
@@ -187,12 +187,12 @@ def count_fused_calls(jaxpr: ClosedJaxpr | Jaxpr) -> int:
     return count
 
 
-def _describe_group(scope: str, group: Group) -> FusedGroup:
+def _describe_group(scope: str, group: Group, solver: str) -> FusedGroup:
     plan = plan_of(group)
     ops = ["conv"] + [_op_label(op) for op in group.plan_ops]
     info = plan.kernel_info
     return FusedGroup(tuple(ops), group.letters, plan.signature.describe(),
-                      _where(group.conv.eqn), scope, group.stop, info.get("solver", ""),
+                      _where(group.conv.eqn), scope, group.stop, solver,
                       tuple(info.get("candidates_us", {}).items()))
 
 

@@ -1,0 +1,70 @@
+"""Choosing solvers for a whole program's chains at once.
+
+Each plan's own choice (:mod:`jaxfuse.find`) charges a candidate the longer of its device time
+and its host's launch work, which is right for a plan run alone. In a program the host runs
+ahead of the device: the program takes about the longer of the *sums*, all chains' device time
+against all chains' launch work. A batch-64 network is device-bound, so a chain XLA runs
+faster on the device should stay XLA's even where XLA's launches (cuDNN's host work is tens of
+microseconds) are longer than the fused kernel's; a batch-1 network is launch-bound, so fused
+chains, one cheap launch each, win even where XLA's kernels are a little faster.
+
+So, per scope of :func:`jaxfuse.fuse`: start from the device-time choice (the fused kernel
+where it is :data:`jaxfuse.find.MARGIN` faster), and while the launches outweigh the device
+work, move to the fused kernel the chain that shortens the longer sum most. Work outside the
+chains is the same either way and is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+from ..find import FUSED, MARGIN
+from ..solvers import XLA
+
+__all__ = ["ChainCosts", "choose_for_program"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainCosts:
+    """One plan of a program: how often it runs, its own choice, and its candidates' measured
+    device and launch microseconds per run (empty where unmeasured: a forced solver, a failed
+    candidate, a CPU)."""
+
+    key: Hashable
+    count: int
+    own: str  # FUSED or XLA
+    device_us: dict[str, float]
+    host_us: dict[str, float]
+
+    @property
+    def measured(self) -> bool:
+        return all(k in self.device_us and k in self.host_us for k in (FUSED, XLA))
+
+
+def choose_for_program(chains: Sequence[ChainCosts]) -> dict[Hashable, str]:
+    """FUSED or XLA for each chain's key (see the module docstring); unmeasured chains keep
+    their own choice."""
+    choice = {c.key: c.own for c in chains}
+    measured = [c for c in chains if c.measured]
+    for c in measured:
+        choice[c.key] = FUSED if c.device_us[FUSED] <= (1 - MARGIN) * c.device_us[XLA] else XLA
+
+    def total(times: str) -> float:
+        return sum(c.count * getattr(c, times)[choice[c.key]] for c in measured)
+
+    device, host = total("device_us"), total("host_us")
+    while host > device:
+        best, best_span = None, host
+        for c in measured:
+            if choice[c.key] != XLA:
+                continue
+            d = device + c.count * (c.device_us[FUSED] - c.device_us[XLA])
+            h = host + c.count * (c.host_us[FUSED] - c.host_us[XLA])
+            if max(d, h) < best_span:
+                best, best_span = c, max(d, h)
+        if best is None:
+            break
+        choice[best.key] = FUSED
+        device, host = total("device_us"), total("host_us")
+    return choice
