@@ -115,11 +115,26 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
             row[f"{mode}_collectives"] = collectives(fused, variables, x)
     if device.platform == "gpu" and devices == 1:  # the trace's kernels are one device's
         sets = [(variables, x)]
+        kernels: dict[str, dict[str, float]] = {}
         for name, program in programs.items():
-            d = device_time_per_op(jax.jit(lambda s, p=program: [p(*a) for a in s]), sets)
+            kernels[name] = {}
+            d = device_time_per_op(jax.jit(lambda s, p=program: [p(*a) for a in s]), sets,
+                                   by_kernel=kernels[name])
             if d:
                 row[f"{name}_device_ms"] = d * 1e3
+        if "auto" in kernels:
+            print(_kernel_diff(kernels["plain"], kernels["auto"]), file=sys.stderr)
     return row
+
+
+def _kernel_diff(plain: dict[str, float], auto: dict[str, float], top: int = 12) -> str:
+    """The kernels whose time differs most between the plain and the auto program."""
+    names = sorted(set(plain) | set(auto),
+                   key=lambda k: -abs(auto.get(k, 0.0) - plain.get(k, 0.0)))[:top]
+    lines = [f"  device time by kernel, plain vs auto (us), {len(plain)} vs {len(auto)} kernels:"]
+    lines += [f"    {plain.get(k, 0.0) * 1e6:9.1f} {auto.get(k, 0.0) * 1e6:9.1f}  {k[:90]}"
+              for k in names]
+    return "\n".join(lines)
 
 
 def _line(r: dict[str, Any]) -> str:

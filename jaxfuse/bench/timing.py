@@ -43,8 +43,9 @@ def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
-                       calls: int = 5) -> float | None:
-    """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events."""
+                       calls: int = 5, by_kernel: dict[str, float] | None = None) -> float | None:
+    """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events.
+    `by_kernel`, if given, receives each kernel name's mean seconds per op."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(many(arg_sets))
@@ -67,6 +68,10 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
                 # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them.
                 if line.name.startswith("Stream"):
                     kernels += [(e.start_ns, e.duration_ns) for e in line.events]
+                    if by_kernel is not None:
+                        for e in line.events:
+                            by_kernel[e.name] = (by_kernel.get(e.name, 0.0) + e.duration_ns
+                                                 * 1e-9 / (calls * len(arg_sets)))
     if not kernels:
         return None
     kernels.sort()
