@@ -7,7 +7,8 @@
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
-# until MODELS_CAP is spent.
+# until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
+# fused"; "xla" times the rewrite with every chain left to XLA).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -83,7 +84,8 @@ if has models; then
     (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
     # shellcheck disable=SC2086
     timeout "$left" $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
-      --batch ${batches//,/ } --json "$OUT/models_${model}_${dtype}.json" \
+      --batch ${batches//,/ } --solver ${MODEL_SOLVERS:-auto fused} \
+      --json "$OUT/models_${model}_${dtype}.json" \
       >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
     echo "$run exit $?"
   done
