@@ -79,9 +79,13 @@ NB_MODULE(_jaxfuse_ext, m) {
       nb::gil_scoped_release release;  // waits for the device
       reading = jaxfuse::gpu::ReadStopwatch(id);
     }
-    return nb::make_tuple(reading.device_ms, reading.host_ms, reading.gated);
+    return nb::make_tuple(reading.device_ms, reading.host_ms, reading.gated,
+                          reading.gate_timed_out);
   }, nb::arg("id"),
-        "(device ms, host ms, gated) between the stopwatch's last marks (waits for the end).");
+        "(device ms, host ms, gated, gate timed out) between the stopwatch's last marks "
+        "(waits for the end).");
+  m.def("stopwatch_gate", &jaxfuse::gpu::SetStopwatchGate, nb::arg("id"), nb::arg("enabled"),
+        "Whether the stopwatch's start mark holds the device until its end mark.");
   m.def("stopwatch_delete", &jaxfuse::gpu::DeleteStopwatch, nb::arg("id"));
 
   m.def("cpu_prepare", [](std::string_view plan) {

@@ -15,7 +15,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 // How long a closed gate waits for its end mark before it opens by itself (a program that
 // fails between the marks must not leave XLA's stream held).
-constexpr auto kGateTimeout = std::chrono::seconds(2);
+// Queuing a timing program takes milliseconds; a host that waits longer is waiting for the
+// device, which waits for the gate.
+constexpr auto kGateTimeout = std::chrono::milliseconds(250);
 
 class Stopwatch {
  public:
@@ -46,7 +48,8 @@ class Stopwatch {
     std::unique_lock<std::mutex> lock(mu_);
     if (mark == 0) {
       OpenLocked();  // a start without an end: never leave an earlier gate closed
-      if (gate_ != nullptr) {
+      timed_out_ = false;
+      if (gate_ != nullptr && gate_enabled_) {
         driver.WaitValue(ordinal_, stream, gate_, ++generation_);
         open_ = false;
         std::thread([self, generation = generation_] { self->Watch(generation); }).detach();
@@ -56,27 +59,36 @@ class Stopwatch {
     } else {
       driver.RecordEvent(events_[1], stream);
       host_[1] = Clock::now();
-      gated_ = gate_ != nullptr && !open_;
+      gated_ = gate_ != nullptr && gate_enabled_ && !open_;
       OpenLocked();
     }
   }
 
+  void SetGate(bool enabled) {
+    std::lock_guard<std::mutex> lock(mu_);
+    gate_enabled_ = enabled;
+  }
+
   StopwatchReading Read() {
     Clock::time_point start, end;
-    bool gated;
+    bool gated, timed_out;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      start = host_[0], end = host_[1], gated = gated_;
+      start = host_[0], end = host_[1], gated = gated_, timed_out = timed_out_;
     }
     const double device_ms = Driver::Get(platform_).ElapsedMs(ordinal_, events_[0], events_[1]);
-    return {device_ms, std::chrono::duration<double, std::milli>(end - start).count(), gated};
+    return {device_ms, std::chrono::duration<double, std::milli>(end - start).count(), gated,
+            timed_out};
   }
 
  private:
   void Watch(uint32_t generation) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, kGateTimeout, [&] { return open_ || generation_ != generation; });
-    if (!open_ && generation_ == generation) OpenLocked();
+    if (!open_ && generation_ == generation) {
+      timed_out_ = true;
+      OpenLocked();
+    }
   }
 
   void OpenLocked() {
@@ -102,7 +114,9 @@ class Stopwatch {
   std::condition_variable cv_;
   uint32_t generation_ = 0;
   bool open_ = true;
+  bool gate_enabled_ = true;
   bool gated_ = false;
+  bool timed_out_ = false;
   Clock::time_point host_[2];
 };
 
@@ -136,6 +150,8 @@ void MarkStopwatch(int64_t id, int mark, void* stream) {
   const std::shared_ptr<Stopwatch> watch = Find(id);
   watch->Mark(mark, stream, watch);
 }
+
+void SetStopwatchGate(int64_t id, bool enabled) { Find(id)->SetGate(enabled); }
 
 StopwatchReading ReadStopwatch(int64_t id) { return Find(id)->Read(); }
 

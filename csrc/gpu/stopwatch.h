@@ -20,12 +20,16 @@ struct StopwatchReading {
   double device_ms;  // from the start mark to the end mark, on the device
   double host_ms;    // from the start mark's launch to the end mark's, on the host
   bool gated;        // whether the device waited for the end mark (see above)
+  bool gate_timed_out;  // the gate opened by itself: the host waited for the device between
+                        // the marks (e.g. an allocation that synchronizes); turn gating off
 };
 
 // A new stopwatch on device `ordinal`; its id never repeats.
 int64_t NewStopwatch(Platform platform, int ordinal);
 // Records mark 0 (start) or 1 (end) of stopwatch `id` on `stream`. Throws for an unknown id.
 void MarkStopwatch(int64_t id, int mark, void* stream);
+// Whether later start marks close the gate (on by default where the driver can).
+void SetStopwatchGate(int64_t id, bool enabled);
 // The times from the last start mark to the last end mark (waits for the end).
 StopwatchReading ReadStopwatch(int64_t id);
 void DeleteStopwatch(int64_t id);
