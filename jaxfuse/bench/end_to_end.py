@@ -92,7 +92,9 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
     programs = {"plain": plain}
     for mode in modes:
         try:
+            start = time.perf_counter()  # compiles every plan: NVRTC, autotuning, choice
             report = fusion_report(fuse(model.apply, solver=mode), variables, x)
+            row[f"{mode}_plans_s"] = time.perf_counter() - start
             fused = jax.jit(fuse(model.apply, solver=mode))
             start = time.perf_counter()
             y = np.asarray(fused(variables, x), np.float64)  # traces, compiles every plan
