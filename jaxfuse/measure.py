@@ -125,6 +125,8 @@ class Timing:
 
     device: float
     host: float = 0.0
+    # Only the first (untimed) run's wall time: it already exceeded the caller's limit.
+    cut_short: bool = False
 
     @property
     def cost(self) -> float:
@@ -173,16 +175,22 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
-    def run(self) -> tuple[jax.Array, Timing]:
+    def run(self, limit: float | None = None) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
         median times per run (see the class docstring). The first run, which also loads
-        modules and allocates, is not timed."""
+        modules and allocates, is not timed; but if its wall time per run already exceeds
+        `limit` seconds (a candidate far slower than another), that is the result
+        (``cut_short``): a loser needs no precise time, and a slow one costs seconds."""
         sets = list(self.sets)
         # The first run loads kernels (lazily, which may wait for the device) and allocates:
         # ungated, or the host would wait on the device the gate holds.
         if self.stopwatch is not None:
             extension().stopwatch_gate(self.stopwatch, False)
+        start = time.perf_counter()
         first = jax.block_until_ready(self.run_all(sets))[0][0]
+        first_seconds = (time.perf_counter() - start) / len(sets)
+        if limit is not None and first_seconds > limit:
+            return first, Timing(first_seconds, cut_short=True)
         if self.stopwatch is not None:
             extension().stopwatch_gate(self.stopwatch, True)
         device: list[float] = []

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -217,6 +218,30 @@ def test_a_kernel_that_disagrees_with_xla_is_dropped(monkeypatch) -> None:
     plan.compile(solver="auto")
     assert plan.solver == "xla"
     assert "disagrees with XLA" in plan.kernel_info["failed"]["fused"]
+    # ... and no program may pick it either: its times are not offered.
+    assert "fused" not in plan.kernel_info.get("candidates_device_us", {})
+
+
+def test_a_far_slower_kernel_is_not_timed_further(monkeypatch) -> None:
+    real = find.fused_function
+
+    def slow(signature):
+        run = real(signature)
+
+        def wait(*operands):
+            y = run(*operands)
+            return jax.pure_callback(lambda v: (time.sleep(0.05), v)[1],
+                                     jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+        return wait
+
+    monkeypatch.setattr(find, "fused_function", slow)
+    plan, _ = SMALL.build()
+    start = time.perf_counter()
+    plan.compile(solver="auto")
+    assert plan.solver == "xla"
+    assert plan.kernel_info["candidates_us"]["fused"] >= 50_000  # its one untimed run
+    # Timed fully it would take 6 runs x 8 input sets x 50 ms.
+    assert time.perf_counter() - start < 2.0
 
 
 def test_a_candidate_that_fails_to_run_is_dropped(monkeypatch) -> None:
