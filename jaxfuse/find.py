@@ -41,9 +41,11 @@ logger = logging.getLogger("jaxfuse")
 FUSED = "fused"
 # The fused kernel runs a plan only when it costs at most (1 - MARGIN) of XLA's composition.
 MARGIN = 0.03
-# A fused kernel whose first run takes this many times XLA's measured cost is not timed
-# further (the direct fp32 kernel at batch 64 takes tens of milliseconds a run).
+# A fused kernel whose first (untimed) run takes this many times XLA's measured cost, and at
+# least _GIVE_UP_FLOOR seconds per run (a first run also dispatches and loads), is not timed
+# further: the direct fp32 kernel at batch 64 takes tens of milliseconds a run.
 _GIVE_UP = 3.0
+_GIVE_UP_FLOOR = 1e-3
 # How far the fused result may be from XLA's (norm-relative) before it counts as wrong: XLA
 # itself runs float32 convolutions in TF32 and rounds between the unfused steps.
 _TOLERANCE = {"float32": 1e-2, "float16": 2e-2, "bfloat16": 4e-2}
@@ -141,7 +143,8 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
         outputs: dict[str, Any] = {}
         # XLA first: a fused kernel already _GIVE_UP times slower is not timed further.
         for name, make in ((XLA, xla_function), (FUSED, fused_function)):
-            limit = times[XLA] * 1e-6 * _GIVE_UP if name == FUSED and XLA in times else None
+            limit = (max(times[XLA] * 1e-6 * _GIVE_UP, _GIVE_UP_FLOOR)
+                     if name == FUSED and XLA in times else None)
             try:
                 harness = Harness.compile(make(signature), sets, device)
                 outputs[name], timing = harness.run(limit)

@@ -190,7 +190,8 @@ class Harness:
         first = jax.block_until_ready(self.run_all(sets))[0][0]
         first_seconds = (time.perf_counter() - start) / len(sets)
         if limit is not None and first_seconds > limit:
-            return first, Timing(first_seconds, cut_short=True)
+            # Its launch work is unknown: charged the whole time, so no program picks it.
+            return first, Timing(first_seconds, first_seconds, cut_short=True)
         if self.stopwatch is not None:
             extension().stopwatch_gate(self.stopwatch, True)
         device: list[float] = []
@@ -205,6 +206,7 @@ class Harness:
                 device_ms, host_ms, _, timed_out = extension().stopwatch_read(self.stopwatch)
                 if timed_out:  # the host still waited for the device: time it ungated
                     extension().stopwatch_gate(self.stopwatch, False)
+                    continue  # (and this run, which includes the wait, is not a sample)
                 seconds = device_ms * 1e-3
                 host.append(host_ms * 1e-3 / len(sets))
             device.append(seconds / len(sets))

@@ -1,11 +1,14 @@
 #include "gpu/runtime.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 
 #include "gpu/dynlib.h"
 #include "gpu/embedded_sources.h"
@@ -189,10 +192,14 @@ struct Driver::Api {
   Result (*event_synchronize)(Handle);
   Result (*event_elapsed)(float*, Handle, Handle);
   Result (*event_destroy)(Handle);
-  // Stream memory operations (optional: absent in old drivers). HIP's wait takes a mask.
+  // Stream gates (optional: absent in old drivers). HIP's wait takes a mask.
   Result (*wait_value32)(Handle, void*, uint32_t, unsigned) = nullptr;                // CUDA
   Result (*hip_wait_value32)(Handle, void*, uint32_t, unsigned, uint32_t) = nullptr;  // HIP
-  Result (*write_value32)(Handle, void*, uint32_t, unsigned) = nullptr;
+  Result (*host_alloc)(void**, size_t, unsigned) = nullptr;
+  Result (*host_device_pointer)(void**, void*, unsigned) = nullptr;
+  Result (*host_free)(void*) = nullptr;
+  Result (*event_query)(Handle) = nullptr;
+  mutable std::map<int, bool> gates_work;  // by device, once checked
   Result (*cu_error_string)(Result, const char**);  // CUDA
   const char* (*hip_error_string)(Result);         // HIP
   mutable std::mutex mu;
@@ -252,15 +259,16 @@ Driver::Driver(Platform platform) : platform_(platform) {
   if (cuda) {
     Require(lib, "cuFuncSetAttribute", &api->func_set_attribute);
     Require(lib, "cuGetErrorString", &api->cu_error_string);
-    if (!lib.Get("cuStreamWaitValue32_v2", &api->wait_value32) ||
-        !lib.Get("cuStreamWriteValue32_v2", &api->write_value32)) {
-      api->wait_value32 = nullptr, api->write_value32 = nullptr;
-    }
+    if (!lib.Get("cuStreamWaitValue32_v2", &api->wait_value32)) api->wait_value32 = nullptr;
   } else {
-    if (!lib.Get("hipStreamWaitValue32", &api->hip_wait_value32) ||
-        !lib.Get("hipStreamWriteValue32", &api->write_value32)) {
-      api->hip_wait_value32 = nullptr, api->write_value32 = nullptr;
-    }
+    if (!lib.Get("hipStreamWaitValue32", &api->hip_wait_value32)) api->hip_wait_value32 = nullptr;
+  }
+  if (!lib.Get(cuda ? "cuMemHostAlloc" : "hipHostMalloc", &api->host_alloc) ||
+      !lib.Get(cuda ? "cuMemHostGetDevicePointer_v2" : "hipHostGetDevicePointer",
+               &api->host_device_pointer) ||
+      !lib.Get(cuda ? "cuMemFreeHost" : "hipHostFree", &api->host_free) ||
+      !lib.Get(cuda ? "cuEventQuery" : "hipEventQuery", &api->event_query)) {
+    api->wait_value32 = nullptr, api->hip_wait_value32 = nullptr;
     Require(lib, "hipGetErrorString", &api->hip_error_string);
   }
   api_ = api.release();
@@ -269,10 +277,10 @@ Driver::Driver(Platform platform) : platform_(platform) {
 
 const Driver& Driver::Get(Platform platform) {
   static std::mutex mu;
-  static std::map<Platform, const Driver*> drivers;
+  static auto* drivers = new std::map<Platform, const Driver*>();  // outlives static dtors
   std::lock_guard<std::mutex> lock(mu);
-  auto it = drivers.find(platform);
-  if (it == drivers.end()) it = drivers.emplace(platform, new Driver(platform)).first;
+  auto it = drivers->find(platform);
+  if (it == drivers->end()) it = drivers->emplace(platform, new Driver(platform)).first;
   return *it->second;
 }
 
@@ -434,10 +442,69 @@ double Driver::ElapsedMs(int ordinal, void* start, void* end) const {
   return ms;
 }
 
-bool Driver::HasStreamGates() const {
-  return api_->write_value32 != nullptr &&
-         (api_->wait_value32 != nullptr || api_->hip_wait_value32 != nullptr);
+bool Driver::StreamGatesWork(int ordinal) const {
+  {
+    std::lock_guard<std::mutex> lock(api_->mu);
+    auto it = api_->gates_work.find(ordinal);
+    if (it != api_->gates_work.end()) return it->second;
+  }
+  bool works = false;
+  if (api_->wait_value32 != nullptr || api_->hip_wait_value32 != nullptr) {
+    // Hold a private stream on a fresh word, check that it is held, open it from the host and
+    // check that it opens. A gate that never opens leaves that stream and word behind.
+    void* word = nullptr;
+    void* event = nullptr;
+    void* stream = nullptr;
+    try {
+      void* device_word = nullptr;
+      word = AllocateMappedHost(ordinal, &device_word);
+      stream = CreateStream(ordinal);
+      event = CreateEvent(ordinal);
+      WaitValue(ordinal, stream, device_word, 1);
+      RecordEvent(event, stream);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      const bool held = !EventDone(event);
+      __atomic_store_n(static_cast<volatile uint32_t*>(word), 1u, __ATOMIC_RELEASE);
+      bool opened = false;
+      for (int i = 0; i < 500 && !opened; ++i) {
+        opened = EventDone(event);
+        if (!opened) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      works = held && opened;
+      if (opened) {
+        DestroyEvent(ordinal, event);
+        DestroyStream(ordinal, stream);
+        FreeMappedHost(ordinal, word);
+      }
+    } catch (const std::exception&) {
+      works = false;  // the resources of a failed check are left behind (tiny, once)
+    }
+  }
+  std::lock_guard<std::mutex> lock(api_->mu);
+  api_->gates_work[ordinal] = works;
+  return works;
 }
+
+void* Driver::AllocateMappedHost(int ordinal, void** device_ptr) const {
+  ContextScope scope(*this, ordinal);
+  void* host = nullptr;
+  // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP (hipHostMallocPortable | Mapped).
+  Check(api_->host_alloc(&host, 64, 0x1 | 0x2), "allocating mapped host memory");
+  std::memset(host, 0, 64);
+  if (int status = api_->host_device_pointer(device_ptr, host, 0); status != 0) {
+    api_->host_free(host);
+    Check(status, "mapping host memory into the device");
+  }
+  return host;
+}
+
+void Driver::FreeMappedHost(int ordinal, void* host_ptr) const {
+  if (host_ptr == nullptr) return;
+  ContextScope scope(*this, ordinal);
+  api_->host_free(host_ptr);
+}
+
+bool Driver::EventDone(void* event) const { return api_->event_query(event) == 0; }
 
 void Driver::WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {
   ContextScope scope(*this, ordinal);
@@ -446,11 +513,6 @@ void Driver::WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t val
             ? api_->wait_value32(stream, device_ptr, value, 0)
             : api_->hip_wait_value32(stream, device_ptr, value, 0, 0xffffffffu),
         "holding a stream");
-}
-
-void Driver::WriteValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {
-  ContextScope scope(*this, ordinal);
-  Check(api_->write_value32(stream, device_ptr, value, 0), "releasing a stream");
 }
 
 void* Driver::CreateStream(int ordinal) const {

@@ -81,12 +81,18 @@ class Driver {
   double ElapsedMs(int ordinal, void* start, void* end) const;
 
   // Stream gates, so a stopwatch times device work without the host's launch work
-  // (gpu/stopwatch.h): WaitValue holds `stream` until the 32-bit word at `device_ptr` reaches
-  // `value` (wrap-around compare); WriteValue sets the word, in order on `stream`. Both need
-  // the driver's stream memory operations: HasStreamGates() says whether it has them.
-  bool HasStreamGates() const;
+  // (gpu/stopwatch.h): WaitValue holds `stream` until the 32-bit word at `device_ptr` is at
+  // least `value`; the host opens it by storing to the word, which lives in pinned host memory
+  // mapped into the device (no stream of ours is involved, so no hardware queue shared with
+  // XLA's can block the release). StreamGatesWork() checks once per device that a gate holds
+  // and opens (false where the driver lacks stream memory operations or they fail).
+  bool StreamGatesWork(int ordinal) const;
   void WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const;
-  void WriteValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const;
+  // A pinned, device-mapped 64-byte host block; its device address in *device_ptr.
+  void* AllocateMappedHost(int ordinal, void** device_ptr) const;
+  void FreeMappedHost(int ordinal, void* host_ptr) const;
+  // Whether all work before `event` has completed (never waits).
+  bool EventDone(void* event) const;
   void* CreateStream(int ordinal) const;  // non-blocking
   void DestroyStream(int ordinal, void* stream) const;
 

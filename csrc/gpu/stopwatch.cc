@@ -21,16 +21,14 @@ constexpr auto kGateTimeout = std::chrono::milliseconds(250);
 
 class Stopwatch {
  public:
-  Stopwatch(Platform platform, int ordinal) : platform_(platform), ordinal_(ordinal) {
-    const Driver& driver = Driver::Get(platform);
+  Stopwatch(Platform platform, int ordinal)
+      : driver_(Driver::Get(platform)), ordinal_(ordinal) {
     try {
-      events_[0] = driver.CreateEvent(ordinal);
-      events_[1] = driver.CreateEvent(ordinal);
-      if (driver.HasStreamGates()) {
-        gate_ = driver.Allocate(ordinal, sizeof(uint32_t));
-        release_stream_ = driver.CreateStream(ordinal);
-        const uint32_t zero = 0;
-        driver.CopyToDevice(ordinal, gate_, &zero, sizeof(zero));
+      events_[0] = driver_.CreateEvent(ordinal);
+      events_[1] = driver_.CreateEvent(ordinal);
+      if (driver_.StreamGatesWork(ordinal)) {
+        gate_host_ = static_cast<volatile uint32_t*>(
+            driver_.AllocateMappedHost(ordinal, &gate_device_));
       }
     } catch (...) {
       Release();
@@ -44,22 +42,22 @@ class Stopwatch {
   // Mark 0: close the gate, then the start event; a watchdog opens the gate if mark 1 never
   // comes. Mark 1: the end event, then open the gate.
   void Mark(int mark, void* stream, const std::shared_ptr<Stopwatch>& self) {
-    const Driver& driver = Driver::Get(platform_);
     std::unique_lock<std::mutex> lock(mu_);
     if (mark == 0) {
       OpenLocked();  // a start without an end: never leave an earlier gate closed
-      timed_out_ = false;
-      if (gate_ != nullptr && gate_enabled_) {
-        driver.WaitValue(ordinal_, stream, gate_, ++generation_);
+      timed_out_ = false, ended_ = false;
+      if (gate_host_ != nullptr && gate_enabled_) {
+        driver_.WaitValue(ordinal_, stream, gate_device_, generation_ + 1);
+        ++generation_;
         open_ = false;
         std::thread([self, generation = generation_] { self->Watch(generation); }).detach();
       }
-      driver.RecordEvent(events_[0], stream);
+      driver_.RecordEvent(events_[0], stream);
       host_[0] = Clock::now();
     } else {
-      driver.RecordEvent(events_[1], stream);
+      driver_.RecordEvent(events_[1], stream);
       host_[1] = Clock::now();
-      gated_ = gate_ != nullptr && gate_enabled_ && !open_;
+      gated_ = !open_, ended_ = true;
       OpenLocked();
     }
   }
@@ -76,13 +74,13 @@ class Stopwatch {
       std::lock_guard<std::mutex> lock(mu_);
       start = host_[0], end = host_[1], gated = gated_, timed_out = timed_out_;
     }
-    const double device_ms = Driver::Get(platform_).ElapsedMs(ordinal_, events_[0], events_[1]);
+    const double device_ms = driver_.ElapsedMs(ordinal_, events_[0], events_[1]);
     return {device_ms, std::chrono::duration<double, std::milli>(end - start).count(), gated,
             timed_out};
   }
 
  private:
-  void Watch(uint32_t generation) {
+  void Watch(uint32_t generation) noexcept {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, kGateTimeout, [&] { return open_ || generation_ != generation; });
     if (!open_ && generation_ == generation) {
@@ -91,25 +89,33 @@ class Stopwatch {
     }
   }
 
-  void OpenLocked() {
+  // A host store to pinned memory: nothing here can fail or wait.
+  void OpenLocked() noexcept {
     if (open_) return;
+    __atomic_store_n(gate_host_, generation_, __ATOMIC_RELEASE);
     open_ = true;
-    Driver::Get(platform_).WriteValue(ordinal_, release_stream_, gate_, generation_);
     cv_.notify_all();
   }
 
-  void Release() {
-    const Driver& driver = Driver::Get(platform_);
-    for (void* event : events_) driver.DestroyEvent(ordinal_, event);
-    driver.DestroyStream(ordinal_, release_stream_);
-    driver.Free(ordinal_, gate_);
+  void Release() noexcept {
+    try {
+      std::lock_guard<std::mutex> lock(mu_);
+      OpenLocked();
+      // The device may still be reading the gate word until the end event has passed (or
+      // when the last start had no end mark): then the 64 bytes are left behind.
+      if (gate_host_ != nullptr && ended_ && driver_.EventDone(events_[1])) {
+        driver_.FreeMappedHost(ordinal_, const_cast<uint32_t*>(gate_host_));
+      }
+      for (void* event : events_) driver_.DestroyEvent(ordinal_, event);
+    } catch (...) {  // a broken context: nothing more to release
+    }
   }
 
-  const Platform platform_;
+  const Driver& driver_;
   const int ordinal_;
   void* events_[2] = {nullptr, nullptr};
-  void* gate_ = nullptr;  // device word the stream waits on; null without stream gates
-  void* release_stream_ = nullptr;
+  volatile uint32_t* gate_host_ = nullptr;  // null where stream gates do not work
+  void* gate_device_ = nullptr;
   std::mutex mu_;
   std::condition_variable cv_;
   uint32_t generation_ = 0;
@@ -117,6 +123,7 @@ class Stopwatch {
   bool gate_enabled_ = true;
   bool gated_ = false;
   bool timed_out_ = false;
+  bool ended_ = true;  // the last start mark has its end mark
   Clock::time_point host_[2];
 };
 

@@ -3,8 +3,8 @@
 // and the end with the "jaxfuse_stopwatch" custom call (ffi/stopwatch_handler.cc); the host
 // reads the elapsed time once the program has run.
 //
-// The start mark also closes a gate on the stream that the end mark opens (where the driver
-// has stream memory operations): the device starts the timed work only once the host has
+// The start mark also closes a gate on the stream that the end mark opens (a word in pinned
+// host memory the stream waits on, where the driver's stream memory operations work): the device starts the timed work only once the host has
 // queued all of it, so the device time is the work's own, not the pace of the host's launches
 // (which a whole model hides behind earlier layers). The host's own time between the marks is
 // read too: it is what the work costs where nothing hides it (small problems).
