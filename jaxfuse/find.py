@@ -115,6 +115,9 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
     stored = extension().cache_load(key)
     decision = None if stored is None else Decision.from_json(stored)
     if decision is not None:
+        # The times are the record; the rule (the margin) is this version's.
+        decision = dataclasses.replace(
+            decision, solver=_faster(dict(decision.times_us), dict(decision.failures)))
         with _lock:
             _stats["disk_hits"] += 1
         return decision

@@ -87,6 +87,8 @@ def emit(group: Group, read: Reader, g: Graph, solver: str | None = None) -> jax
     as for :func:`build_plan` (that plan compiled)."""
     info = group.info
     plan, handles = build_plan(info, group.plan_ops, solver)
+    if solver is not None and not plan.is_compiled:  # evicted from the memo since the choice
+        plan.compile(solver=solver)
     x = jnp.asarray(read(group.conv.inputs[0])).astype(info.dtype)
     w = jnp.asarray(read(group.conv.inputs[1]))
     if info.filter_perm is not None:
