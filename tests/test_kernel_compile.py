@@ -5,6 +5,7 @@ runtime, so a missing compiler is a failure there, not a skip.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -141,3 +142,29 @@ def test_kernel_compiles_for_amd(case: Case, arch: str) -> None:
     assert out["binary_bytes"] > 0
     # The tensor-core solvers are CUDA-only; HIP runs the portable kernels.
     assert out["solver"] in ("pointwise", "conv_direct", "conv_depthwise")
+
+
+# fp32 through TF32 on the implicit-GEMM kernel (behind JAXFUSE_TF32_KERNELS=1 until it has run
+# on a GPU): every filter layout it reads, each tile, strides, dilation, groups.
+TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout="NHWC", filter_layout=fl, c=c, k=k,
+                   n=n, h=hw, w=hw, strides=st, dilation=dl, groups=gr)
+              for fl in ("HWIO", "OHWI")
+              for c, k, n, hw, st, dl, gr in ((16, 24, 1, 9, (1, 1), (1, 1), 1),
+                                              (64, 64, 8, 28, (2, 2), (1, 1), 1),
+                                              (64, 256, 64, 28, (1, 1), (2, 2), 1),
+                                              (128, 128, 2, 14, (1, 2), (1, 1), 2))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", TF32_CASES, ids=str)
+def test_fp32_plans_compile_on_the_tf32_kernel(case: Case, arch: str, monkeypatch) -> None:
+    encoded = case.build()[0].signature.encode()
+    assert extension().gpu_compile_only("CUDA", encoded, arch)["solver"] == "conv_direct"
+    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "1")
+    out = extension().gpu_compile_only("CUDA", encoded, arch)
+    assert out["solver"] == "conv_igemm"
+    for variant in range(1, out["variants"]):
+        assert extension().gpu_compile_only("CUDA", encoded, arch,
+                                            variant=variant)["binary_bytes"] > 0
+    exact = dataclasses.replace(case, precision="highest").build()[0].signature.encode()
+    assert extension().gpu_compile_only("CUDA", exact, arch)["solver"] == "conv_direct"

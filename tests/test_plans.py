@@ -163,3 +163,25 @@ def test_functional_matches_plan(device) -> None:
                                    precision=lax.Precision.HIGHEST) + b
     ref = jax.nn.leaky_relu(ref, 0.1)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(ops=ops, dtype="float32", layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+         strides=st, dilation=dl, groups=gr, padding=pad, activation=act)
+    for ops, fl, c, k, n, hw, st, dl, gr, pad, act in (
+        ("CBNSA", "HWIO", 16, 24, 1, 9, (1, 1), (1, 1), 1, ((1, 1), (1, 1)), "relu"),
+        ("CBNA", "OHWI", 64, 64, 8, 28, (2, 2), (1, 1), 1, "SAME", "clipped_relu"),
+        ("CNA", "HWIO", 64, 256, 16, 14, (1, 1), (2, 2), 1, ((2, 2), (2, 2)), "elu"),
+        ("CBA", "HWIO", 128, 128, 2, 14, (1, 2), (1, 1), 2, "VALID", "leaky_relu"),
+        ("CBNSA", "OHWI", 256, 96, 4, 7, (1, 1), (1, 1), 1, ((0, 1), (1, 0)), "tanh"))
+], ids=str)
+def test_fp32_through_tf32_matches_the_reference(case, monkeypatch) -> None:
+    """The TF32 tensor-core kernel (JAXFUSE_TF32_KERNELS=1) against float64, within fp32's
+    GPU tolerance (which allows TF32), every element written (outputs are poisoned)."""
+    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "1")
+    gpu = jax.devices("gpu")[0]
+    plan, _ = case.build()
+    plan.compile(gpu, solver="fused")
+    assert plan.solver == "conv_igemm", plan.kernel_info
+    run_case(case, gpu, solver="fused")

@@ -154,13 +154,23 @@ std::string TranslationUnit(const PlanSpec& spec, const std::string& extra_const
 
 struct IgemmTile {
   int bm, bn, bk, warps_m, warps_n, stages, min_blocks;
+  int elem = 2;  // bytes per operand element: 2 (fp16/bf16), 4 (fp32 through TF32)
   int Threads() const { return warps_m * warps_n * 32; }
-  // Bytes of dynamic shared memory: the pipeline stages, or the fp32 epilogue tile.
+  // Bytes of dynamic shared memory: the pipeline stages, or the fp32 epilogue tile (pitches as
+  // in conv_igemm.cuh: kk-contiguous rows padded by 16 bytes, k-contiguous ones by 8 values).
   int SmemBytes(bool b_rows_are_k) const {
-    const int a = bm * (bk + 8), b = b_rows_are_k ? bk * (bn + 8) : bn * (bk + 8);
-    return std::max(stages * (a + b) * 2, bm * (bn + 4) * 4);
+    const int pad = 16 / elem;
+    const int a = bm * (bk + pad), b = b_rows_are_k ? bk * (bn + 8) : bn * (bk + pad);
+    return std::max(stages * (a + b) * elem, bm * (bn + 4) * 4);
   }
 };
+
+// fp32 plans on the TF32 tensor-core kernel: off unless JAXFUSE_TF32_KERNELS=1 until the
+// kernel has been run on a GPU (it is compiled, not yet executed, in the test suite).
+bool Tf32KernelsEnabled() {
+  const char* value = std::getenv("JAXFUSE_TF32_KERNELS");
+  return value != nullptr && std::string(value) == "1";
+}
 
 int ArchNumber(const std::string& arch) {
   return arch.rfind("sm_", 0) == 0 ? std::atoi(arch.c_str() + 3) : 0;
@@ -175,7 +185,10 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
                          (g.filter_layout == FilterLayout::kOIHW && g.r == 1 && g.s == 1);
   // Channel counts that are not whole 16-wide k-steps are gathered (HWIO filters only).
   const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO;
-  return !device.hip && ArchNumber(device.arch) >= 80 && spec.dtype != DType::kF32 &&
+  // fp32: TF32 where the plan's precision allows it, whole 16-wide k-steps, 16-byte rows.
+  const bool dtype_ok = spec.dtype != DType::kF32 ||
+                        (Tf32KernelsEnabled() && g.allow_tf32 && cg % 16 == 0 && kg % 4 == 0);
+  return !device.hip && ArchNumber(device.arch) >= 80 && dtype_ok &&
          spec.layout == Layout::kNHWC && filter_ok && channels_ok && kg % 8 == 0 &&
          g.r * g.s * cg < (int64_t{1} << 31) &&  // the k loop indexes the reduction with int
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
@@ -216,7 +229,8 @@ struct WgmmaTile {
 
 bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
-  return IgemmApplies(spec, device) && device.arch == "sm_90" && (spec.c / g.groups) % 64 == 0;
+  return IgemmApplies(spec, device) && spec.dtype != DType::kF32 && device.arch == "sm_90" &&
+         (spec.c / g.groups) % 64 == 0;
 }
 
 // A tile with as many CTAs per multiprocessor as shared memory and registers allow.
@@ -308,12 +322,15 @@ std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& d
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
   const bool b_rows_are_k = g.filter_layout == FilterLayout::kHWIO;
   const int bk = cg % 32 == 0 || cg % 16 != 0 ? 32 : 16;
+  const int elem = spec.dtype == DType::kF32 ? 4 : 2;
   std::vector<IgemmTile> all = {ChooseIgemmTile(spec, device)};
-  const std::vector<IgemmTile> extras =
+  all[0].elem = elem;
+  std::vector<IgemmTile> extras =
       cg % 16 != 0 ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, 2}, {64, 64, 32, 2, 2, 2, 3}}
                    : std::vector<IgemmTile>{{128, 128, bk, 2, 4, 4, 1},
                                             {128, 64, bk, 4, 2, 4, 2},
                                             {64, 64, bk, 2, 2, 4, 3}};
+  for (IgemmTile& t : extras) t.elem = elem;
   for (const IgemmTile& t : extras) {
     const bool seen = std::any_of(all.begin(), all.end(), [&](const IgemmTile& u) {
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages;

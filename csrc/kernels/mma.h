@@ -1,6 +1,6 @@
 // The matrix instructions behind a small tile abstraction, for the implicit-GEMM kernels:
 // asynchronous 16-byte global->shared copies, shared->register fragment loads, and the warp-level
-// 16x8x16 multiply-accumulate with fp32 accumulators.
+// 16x8x16 (fp16/bf16) and 16x8x8 (TF32) multiply-accumulates with fp32 accumulators.
 //
 // CUDA (sm_80+): cp.async, ldmatrix and mma.sync. HIP would map these onto MFMA and plain
 // loads; that mapping is not written yet, so the code generator never offers the implicit-GEMM
@@ -64,6 +64,23 @@ JF_DEVICE void mma_16x8x16(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) 
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+}
+
+// An fp32 value rounded to TF32 (10 mantissa bits, to nearest, ties away), as the tf32
+// multiply takes it.
+JF_DEVICE u32 to_tf32(float v) {
+  u32 r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
+  return r;
+}
+
+// d += a (16x8 TF32, row-major fragment) * b (8x8 TF32, column fragment).
+JF_DEVICE void mma_16x8x8_tf32(float (&d)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 }  // namespace mma
