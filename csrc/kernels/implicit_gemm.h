@@ -64,16 +64,19 @@ JF_DEVICE i64 b_offset(i64 group, int tap, i64 c, i64 k) {
 }
 
 // Runs the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the group)
-// and writes them with one 16-byte store. `terms` points at channel k's epilogue terms.
+// and writes them with 16-byte stores (one for 16-bit outputs, two for fp32). `terms` points
+// at channel k's epilogue terms.
 JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
                            i64 m, int k, i64 group, Io::type* y) {
+  constexpr int kVectors = 8 * static_cast<int>(sizeof(Io::type)) / 16;
   const i64 out = m * K + group * KG + k;
   const i64 param = (m % (P * Q)) * K + group * KG + k;
-  Vec16 packed;
-  Io::type* lanes = reinterpret_cast<Io::type*>(&packed);
+  Vec16 packed[kVectors];
+  Io::type* lanes = reinterpret_cast<Io::type*>(packed);
 #pragma unroll
   for (int j = 0; j < 8; ++j) lanes[j] = Io::store(ep.apply(v[j], terms[j], param + j, out + j));
-  *reinterpret_cast<Vec16*>(y + out) = packed;
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) reinterpret_cast<Vec16*>(y + out)[i] = packed[i];
 }
 
 // Writes a finished tile: `tile` holds rows x cols fp32 results (row pitch `pitch` floats) for
