@@ -2,13 +2,14 @@
 # One call on the GPU machine: build (or reuse a carried build), then the sections asked for,
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
-#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models probe
+#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency probe
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
-# fused"; "xla" times the rewrite with every chain left to XLA).
+# fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
+# runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -90,4 +91,21 @@ if has models; then
     echo "$run exit $?"
   done
   cat "$OUT/models.log"
+fi
+if has latency; then
+  echo "== latency: host work and kernels per call, under each XLA_FLAGS set"
+  deadline=$(( $(date +%s) + ${LATENCY_CAP:-300} ))
+  IFS='|' read -ra flag_sets <<< "${LATENCY_FLAGS:-}"
+  (( ${#flag_sets[@]} )) || flag_sets=("")
+  for run in ${LATENCY_RUNS:-resnet50:bfloat16:1}; do
+    IFS=: read -r model dtype batch <<< "$run"
+    for flags in "${flag_sets[@]}"; do
+      left=$(( deadline - $(date +%s) ))
+      (( left > 20 )) || { echo "skipped $run [$flags]: out of time"; continue; }
+      XLA_FLAGS="$flags" timeout "$left" $py scripts/latency_probe.py --model "$model" \
+        --dtype "$dtype" --batch "$batch" >> "$OUT/latency.log" 2>> "$OUT/latency_detail.log"
+      echo "$run [$flags] exit $?"
+    done
+  done
+  cat "$OUT/latency.log"
 fi

@@ -1,0 +1,87 @@
+"""Where a small-batch forward pass spends its time: host work per call, by event name, and
+the device's kernels, for plain ``jax.jit(apply)`` and ``jax.jit(fuse(apply))``.
+
+    XLA_FLAGS=... python scripts/latency_probe.py --model resnet50 --dtype bfloat16 --batch 1
+
+Prints, per program: wall time per call (back-to-back calls), the sum of kernel time per call,
+kernels and CUDA-graph launches per call, and the host events that take the most time per call
+(from a profiler trace of `--calls` calls). Run it once per XLA_FLAGS setting to compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse import fuse
+from jaxfuse.bench.end_to_end import MODELS, forward_seconds
+from jaxfuse.bench.models import random_variables
+
+
+def trace_summary(fn, args, calls: int) -> dict:
+    """Per-call host event times by name and device kernel statistics, from one trace."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            outs = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(outs)
+        data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    host: dict[str, list[float]] = collections.defaultdict(list)
+    kernels, kernel_ns = 0, 0
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    kernels += len(list(line.events))
+                    kernel_ns += sum(e.duration_ns for e in line.events)
+        elif plane.name.startswith("/host:"):
+            for line in plane.lines:
+                for e in line.events:
+                    host[e.name].append(e.duration_ns)
+    top = sorted(host.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "kernels_per_call": kernels / calls,
+        "kernel_us_per_call": kernel_ns / calls / 1e3,
+        "graph_launches_per_call": sum(len(v) for k, v in host.items()
+                                       if "GraphLaunch" in k) / calls,
+        "host_top": [(name[:70], len(v) / calls, sum(v) / calls / 1e3) for name, v in top[:18]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--solver", default="auto")
+    opts = parser.parse_args()
+    flags = os.environ.get("XLA_FLAGS", "")
+    print(f"== {opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
+    model = MODELS[opts.model](dtype=jnp.dtype(opts.dtype))
+    x = np.random.default_rng(0).standard_normal((opts.batch, 224, 224, 3)).astype(opts.dtype)
+    variables = jax.device_put(random_variables(model, jnp.asarray(x[:1])))
+    x = jax.device_put(x)
+    programs = {"plain": jax.jit(model.apply),
+                opts.solver: jax.jit(fuse(model.apply, solver=opts.solver))}
+    for name, fn in programs.items():
+        wall = forward_seconds(fn, (variables, x), calls=20) * 1e6
+        s = trace_summary(fn, (variables, x), opts.calls)
+        print(f"-- {name}: wall {wall:.0f} us/call, kernels {s['kernels_per_call']:.0f}/call "
+              f"= {s['kernel_us_per_call']:.0f} us, "
+              f"graph launches {s['graph_launches_per_call']:.1f}/call")
+        for event, count, us in s["host_top"]:
+            print(f"   {us:8.1f} us {count:6.1f}x  {event}")
+
+
+if __name__ == "__main__":
+    main()
