@@ -41,9 +41,9 @@ logger = logging.getLogger("jaxfuse")
 FUSED = "fused"
 # The fused kernel runs a plan only when it costs at most (1 - MARGIN) of XLA's composition.
 MARGIN = 0.03
-# A fused kernel whose first (untimed) run takes this many times XLA's measured cost, and at
-# least _GIVE_UP_FLOOR seconds per run (a first run also dispatches and loads), is not timed
-# further: the direct fp32 kernel at batch 64 takes tens of milliseconds a run.
+# A fused kernel whose second run (the first loads and allocates) takes this many times XLA's
+# measured cost, and at least _GIVE_UP_FLOOR seconds per run, is not timed further: the direct
+# fp32 kernel at batch 64 takes tens of milliseconds a run.
 _GIVE_UP = 3.0
 _GIVE_UP_FLOOR = 1e-3
 # How far the fused result may be from XLA's (norm-relative) before it counts as wrong: XLA
