@@ -87,7 +87,7 @@ _VARIANTS_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
     done = subprocess.run([sys.executable, "-P", "-c",
@@ -111,3 +111,49 @@ def test_info_lists_compiled_kernels(tmp_path) -> None:
     assert done.returncode == 0, done.stderr
     assert "1 compiled kernel(s)" in done.stdout
     assert "CBNA" in done.stdout and "nvrtc" in done.stdout
+
+
+# The warp-specialized kernel (bulk tensor copies, im2col maps) forced on every geometry its
+# maps must express: strides, asymmetric and negative padding, dilation, groups, partial tiles
+# in both dimensions, each filter layout it reads, side input, per-activation batch norm.
+_TMA_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case
+    gpu = jax.devices("gpu")[0]
+    NHWC = dict(layout="NHWC", filter_layout="HWIO")
+    cases = [
+        Case(ops="CBNA", c=64, k=256, n=8, h=28, w=28, r=1, s=1, padding="VALID",
+             dtype="bfloat16", **NHWC),
+        Case(ops="CBNSA", c=128, k=128, n=3, h=15, w=13, dtype="float16", **NHWC),
+        Case(ops="CNA", c=64, k=72, n=2, h=17, w=11, strides=(2, 2), padding="SAME",
+             dtype="bfloat16", **NHWC),
+        Case(ops="CBA", c=64, k=64, n=2, h=12, w=14, padding=((0, 2), (1, 0)),
+             dilation=(2, 3), dtype="float16", **NHWC),
+        Case(ops="CBA", c=128, k=64, n=2, h=10, w=10, padding=((-1, 1), (0, 0)),
+             dtype="bfloat16", **NHWC),
+        Case(ops="CBNA", c=128, k=96, n=2, h=9, w=9, groups=2, dtype="float16", **NHWC),
+        Case(ops="CNA", c=64, k=320, n=1, h=7, w=7, bn_mode="per_activation",
+             dtype="bfloat16", **NHWC),
+        Case(ops="CBNSA", c=256, k=128, n=4, h=7, w=7, strides=(1, 2), dtype="bfloat16",
+             layout="NHWC", filter_layout="OHWI"),
+        Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
+             dtype="float16", layout="NHWC", filter_layout="OIHW"),
+        Case(ops="CBNA", c=64, k=64, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+    ]
+    for case in cases:
+        plan, _ = case.build()
+        plan.compile(gpu, solver="fused")
+        assert plan.solver == "conv_tma", (str(case), plan.kernel_info)
+        run_case(case, gpu, solver="fused")
+    print("ok")
+""")
+
+
+def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma"}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           _TMA_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]

@@ -66,9 +66,16 @@ void Count(int64_t BackendStats::*counter, int64_t amount = 1) {
 int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& device, int ordinal,
                   const RuntimeCompiler& compiler) {
   const int count = CountVariants(spec, device);
-  // JAXFUSE_KERNEL_VARIANT=i forces variant i (tests check every variant's results with it).
+  // JAXFUSE_KERNEL_VARIANT=i forces variant i, and =<solver> (e.g. conv_tma) the first variant
+  // of that solver where it applies (tests check every variant's results with it).
   static const char* forced = std::getenv("JAXFUSE_KERNEL_VARIANT");
-  if (forced != nullptr && *forced) return std::clamp(std::atoi(forced), 0, count - 1);
+  if (forced != nullptr && *forced) {
+    if (*forced >= '0' && *forced <= '9') return std::clamp(std::atoi(forced), 0, count - 1);
+    for (int i = 0; i < count; ++i) {
+      if (GenerateKernel(spec, device, i).solver == forced) return i;
+    }
+    return 0;
+  }
   if (count <= 1 || !AutotuneEnabled()) return 0;
   DiskCache& disk = DiskCache::Global();
   const std::string key =

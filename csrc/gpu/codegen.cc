@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/epilogue.h"
 
@@ -317,6 +318,125 @@ std::string WgmmaConstants(const WgmmaTile& t) {
   return s.str();
 }
 
+// ----- Hopper: warp-specialized, loads through the copy engine (TMA) ------------------------
+
+struct TmaTile {
+  int bn, stages, epi_cols;
+  static constexpr int kBM = 128, kThreads = 384;
+  // Dynamic shared memory: the ring of stages, two staging tiles, the ring's barriers, and
+  // alignment slack; plus the static per-warpgroup tables of epilogue terms (20 bytes each).
+  int SmemBytes() const {
+    return stages * (kBM + bn) * 128 + 2 * 64 * (epi_cols + 4) * 4 + 16 * stages + 1024;
+  }
+  int StaticSmemBytes() const { return 2 * bn * 20; }
+};
+
+// The im2col map's bounding box of window corners along one spatial dimension: corners at
+// -pad, -pad + stride, ... for every output position (and no more), the box's far edge given
+// relative to the last input position.
+std::pair<int64_t, int64_t> CornerBox(int64_t in, int64_t out, int64_t stride, int64_t pad) {
+  return {-pad, -pad + (out - 1) * stride - (in - 1)};
+}
+
+bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  if (!WgmmaApplies(spec, device)) return false;
+  const ConvGeometry& g = spec.conv;
+  const bool k_major = g.filter_layout != FilterLayout::kHWIO;
+  if (k_major && g.filter_layout == FilterLayout::kOIHW && (g.r != 1 || g.s != 1)) return false;
+  const auto [lw, uw] = CornerBox(spec.w, spec.out_w, g.stride_w, g.pad_l);
+  const auto [lh, uh] = CornerBox(spec.h, spec.out_h, g.stride_h, g.pad_t);
+  auto corner_ok = [](int64_t v) { return v >= -128 && v <= 127; };  // 4-D im2col maps
+  const int64_t elem = dtype_size(spec.dtype);
+  return corner_ok(lw) && corner_ok(uw) && corner_ok(lh) && corner_ok(uh) &&
+         g.stride_w <= 8 && g.stride_h <= 8 &&  // the copy engine's traversal strides
+         (g.s - 1) * g.dil_w < 256 && (g.r - 1) * g.dil_h < 256 &&  // tap offsets
+         spec.n * spec.h * spec.w * spec.c * elem < (int64_t{1} << 40) &&
+         g.r * g.s * (spec.c / g.groups) < (int64_t{1} << 31) && spec.n < (int64_t{1} << 31);
+}
+
+TmaTile MakeTmaTile(int bn, int max_smem) {
+  TmaTile tile{bn, 8, bn >= 256 ? 32 : 64};
+  while (tile.stages > 2 && tile.SmemBytes() + tile.StaticSmemBytes() > max_smem) --tile.stages;
+  return tile;
+}
+
+// Output tiles as wide as the channels allow (each stage's activations then feed more
+// multiplies), narrower ones where few tiles would leave multiprocessors idle.
+std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  const int max_smem = std::max(device.max_smem_per_block, 48 * 1024);
+  std::vector<TmaTile> all;
+  for (const int bn : {256, 128, 64}) {
+    if (bn > std::max<int64_t>(64, (kg + 63) / 64 * 64)) continue;  // mostly past the channels
+    const int64_t tiles = (m + TmaTile::kBM - 1) / TmaTile::kBM * ((kg + bn - 1) / bn) * g.groups;
+    if (bn > 64 && tiles < sms) continue;  // a narrower tile keeps more multiprocessors busy
+    const TmaTile tile = MakeTmaTile(bn, max_smem);
+    if (tile.stages >= 3) all.push_back(tile);
+    if (all.size() == 2) break;
+  }
+  return all;
+}
+
+std::string TmaConstants(const TmaTile& t) {
+  Text s;
+  s << "constexpr int kBN = " << t.bn << ", kStages = " << t.stages
+    << ", kEpiCols = " << t.epi_cols << ";\n"
+    << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
+  return s.str();
+}
+
+// CUtensorMapDataType of a plan dtype's values.
+int TensorMapDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kF16: return 6;   // CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    case DType::kBF16: return 9;  // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    default: return 7;            // CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+  }
+}
+
+// The input as an im2col map (NHWC: dimensions C, W, H, N), 64 channels x 128 pixels a copy,
+// and the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64 boxes) or [K][R*S*CG]
+// (OHWI, 1x1 OIHW: 64 x bn boxes).
+std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
+  const ConvGeometry& g = spec.conv;
+  const uint64_t elem = dtype_size(spec.dtype);
+  TensorMapSpec x;
+  x.im2col = true;
+  x.data_type = TensorMapDataType(spec.dtype);
+  x.rank = 4;
+  const uint64_t dims[4] = {uint64_t(spec.c), uint64_t(spec.w), uint64_t(spec.h), uint64_t(spec.n)};
+  std::copy(dims, dims + 4, x.dims);
+  x.strides[0] = spec.c * elem;
+  x.strides[1] = spec.w * spec.c * elem;
+  x.strides[2] = spec.h * spec.w * spec.c * elem;
+  x.element_strides[1] = static_cast<uint32_t>(g.stride_w);
+  x.element_strides[2] = static_cast<uint32_t>(g.stride_h);
+  const auto [lw, uw] = CornerBox(spec.w, spec.out_w, g.stride_w, g.pad_l);
+  const auto [lh, uh] = CornerBox(spec.h, spec.out_h, g.stride_h, g.pad_t);
+  x.lower[0] = static_cast<int>(lw), x.lower[1] = static_cast<int>(lh);
+  x.upper[0] = static_cast<int>(uw), x.upper[1] = static_cast<int>(uh);
+  x.channels = 64;
+  x.pixels = TmaTile::kBM;
+
+  TensorMapSpec w;
+  w.filters = true;
+  w.data_type = x.data_type;
+  w.rank = 2;
+  const uint64_t reduction = uint64_t(g.r * g.s * (spec.c / g.groups));
+  if (g.filter_layout == FilterLayout::kHWIO) {
+    w.dims[0] = g.k, w.dims[1] = reduction;
+    w.strides[0] = g.k * elem;
+    w.box[0] = 64, w.box[1] = 64;
+  } else {
+    w.dims[0] = reduction, w.dims[1] = g.k;
+    w.strides[0] = reduction * elem;
+    w.box[0] = 64, w.box[1] = static_cast<uint32_t>(tile.bn);
+  }
+  return {x, w};
+}
+
 std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
@@ -381,7 +501,10 @@ std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
 
 int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
   if (!spec.has_conv) return 1;
-  if (WgmmaApplies(spec, device)) return static_cast<int>(WgmmaCandidates(spec, device).size());
+  if (WgmmaApplies(spec, device)) {
+    const size_t tma = TmaApplies(spec, device) ? TmaCandidates(spec, device).size() : 0;
+    return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
+  }
   if (IgemmApplies(spec, device)) return static_cast<int>(IgemmCandidates(spec, device).size());
   return 1;
 }
@@ -408,6 +531,34 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
   const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};
   if (WgmmaApplies(spec, device)) {
     const std::vector<WgmmaTile> tiles = WgmmaCandidates(spec, device);
+    // Variants past the cp.async kernel's tiles are the warp-specialized TMA kernel's.
+    const std::vector<TmaTile> tma_tiles =
+        TmaApplies(spec, device) ? TmaCandidates(spec, device) : std::vector<TmaTile>{};
+    const int tma_variant = variant - static_cast<int>(tiles.size());
+    if (tma_variant >= 0 && !tma_tiles.empty()) {
+      const TmaTile tile =
+          tma_tiles[std::min<int>(tma_variant, static_cast<int>(tma_tiles.size()) - 1)];
+      const ConvGeometry& g = spec.conv;
+      const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
+      const int64_t tiles_total =
+          (m + TmaTile::kBM - 1) / TmaTile::kBM * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+      const int sms = device.sm_count > 0 ? device.sm_count : 132;
+      out.solver = "conv_tma";
+      out.tile = "128x" + std::to_string(tile.bn) + " s" + std::to_string(tile.stages) + " e" +
+                 std::to_string(tile.epi_cols);
+      out.compile_arch = "sm_90a";
+      out.source = TranslationUnit(spec, TmaConstants(tile), {}) +
+                   WgmmaFunction(tile.bn, spec.dtype == DType::kBF16 ? 2 : 1,
+                                 g.filter_layout == FilterLayout::kHWIO) +
+                   "#include \"conv_tma.cuh\"\n#include \"conv_direct.cuh\"\n";
+      EntryPoint entry{"jaxfuse_conv_tma",
+                       static_cast<unsigned>(std::min<int64_t>(tiles_total, sms)),
+                       TmaTile::kThreads, static_cast<unsigned>(tile.SmemBytes()), 16};
+      entry.tensor_maps = TmaMaps(spec, tile);
+      out.entries.push_back(entry);
+      out.entries.push_back(direct);
+      return out;
+    }
     const WgmmaTile tile = tiles[std::clamp<int>(variant, 0, static_cast<int>(tiles.size()) - 1)];
     const ConvGeometry& g = spec.conv;
     const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;

@@ -3,6 +3,7 @@
 // files (csrc/kernels/) that apply to it. MIOpen calls the kernel choice a "solver".
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -18,11 +19,29 @@ struct DeviceInfo {
   bool hip = false;
 };
 
+// The copy engine's view of one buffer (a CUtensorMap), for kernels that load through bulk
+// tensor copies (TMA). The map holds the buffer's address, so the launcher encodes it for each
+// launch from this description; everything else is fixed by the plan.
+struct TensorMapSpec {
+  bool filters = false;  // the filters' map (else the input's)
+  bool im2col = false;   // an im2col map of an NHWC input (else a tiled map)
+  int data_type = 0;     // CUtensorMapDataType
+  int rank = 0;
+  uint64_t dims[5] = {};     // elements, innermost dimension first
+  uint64_t strides[4] = {};  // bytes, of dimensions 1 .. rank - 1
+  uint32_t box[5] = {};      // tiled maps: elements per copy along each dimension
+  uint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  int lower[2] = {}, upper[2] = {};  // im2col: the bounding box of window corners (W, H)
+  uint32_t channels = 0, pixels = 0;  // im2col: channels per pixel, pixels per copy
+};
+
 // One kernel entry point of the compiled module and how to launch it.
 struct EntryPoint {
   std::string name;
   unsigned grid = 1, block = 256, shared_bytes = 0;
   int alignment = 1;  // bytes every plan-dtype buffer must be aligned to for this entry
+  // Kernels that take TmaParams (csrc/kernels/params.h): the input's map, then the filters'.
+  std::vector<TensorMapSpec> tensor_maps;
 };
 
 struct GeneratedKernel {

@@ -199,6 +199,12 @@ struct Driver::Api {
   Result (*host_device_pointer)(void**, void*, unsigned) = nullptr;
   Result (*host_free)(void*) = nullptr;
   Result (*event_query)(Handle) = nullptr;
+  // Tensor maps for bulk tensor copies (CUDA 12+; absent elsewhere).
+  Result (*encode_tiled)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*,
+                         const uint32_t*, const uint32_t*, int, int, int, int) = nullptr;
+  Result (*encode_im2col)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*,
+                          const int*, const int*, uint32_t, uint32_t, const uint32_t*, int, int,
+                          int, int) = nullptr;
   mutable std::map<int, bool> gates_work;  // by device, once checked
   Result (*cu_error_string)(Result, const char**);  // CUDA
   const char* (*hip_error_string)(Result);         // HIP
@@ -260,6 +266,10 @@ Driver::Driver(Platform platform) : platform_(platform) {
     Require(lib, "cuFuncSetAttribute", &api->func_set_attribute);
     Require(lib, "cuGetErrorString", &api->cu_error_string);
     if (!lib.Get("cuStreamWaitValue32_v2", &api->wait_value32)) api->wait_value32 = nullptr;
+    if (!lib.Get("cuTensorMapEncodeTiled", &api->encode_tiled) ||
+        !lib.Get("cuTensorMapEncodeIm2col", &api->encode_im2col)) {
+      api->encode_tiled = nullptr, api->encode_im2col = nullptr;
+    }
   } else {
     if (!lib.Get("hipStreamWaitValue32", &api->hip_wait_value32)) api->hip_wait_value32 = nullptr;
   }
@@ -564,8 +574,41 @@ void Driver::Memset(void* device_ptr, unsigned char value, size_t bytes, void* s
   Check(api_->memset_d8_async(device_ptr, value, bytes, stream), "poisoning the output");
 }
 
+void Driver::EncodeTensorMap(const TensorMapSpec& spec, const void* address,
+                             TensorMap* map) const {
+  if (api_->encode_tiled == nullptr || api_->encode_im2col == nullptr) {
+    throw std::runtime_error("jaxfuse: this driver cannot encode tensor maps (CUDA 12+ needed)");
+  }
+  // Interleave none, 128-byte swizzle, 128-byte L2 promotion, zeros outside the tensor.
+  constexpr int kInterleaveNone = 0, kSwizzle128 = 3, kL2Promote128 = 2, kFillZeros = 0;
+  void* global = const_cast<void*>(address);
+  const int status =
+      spec.im2col
+          ? api_->encode_im2col(map, spec.data_type, spec.rank, global, spec.dims, spec.strides,
+                                spec.lower, spec.upper, spec.channels, spec.pixels,
+                                spec.element_strides, kInterleaveNone, kSwizzle128,
+                                kL2Promote128, kFillZeros)
+          : api_->encode_tiled(map, spec.data_type, spec.rank, global, spec.dims, spec.strides,
+                               spec.box, spec.element_strides, kInterleaveNone, kSwizzle128,
+                               kL2Promote128, kFillZeros);
+  Check(status, spec.im2col ? "encoding the input's im2col tensor map"
+                            : "encoding the filters' tensor map");
+}
+
 void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
                     const FusedParams& params) const {
+  if (!entry.tensor_maps.empty()) {
+    // Maps hold the buffers' addresses: encoded for each launch (a host computation).
+    TmaParams args{};
+    EncodeTensorMap(entry.tensor_maps[0], params.x, &args.x);
+    EncodeTensorMap(entry.tensor_maps[1], params.w, &args.w);
+    args.p = params;
+    void* pointers[] = {&args};
+    Check(api_->launch(function, entry.grid, 1, 1, entry.block, 1, 1, entry.shared_bytes, stream,
+                       pointers, nullptr),
+          "launching the fused kernel");
+    return;
+  }
   FusedParams copy = params;
   void* args[] = {&copy};
   Check(api_->launch(function, entry.grid, 1, 1, entry.block, 1, 1, entry.shared_bytes, stream,

@@ -59,9 +59,12 @@ class Driver {
   // Fills `bytes` bytes at `device_ptr` with `value`, in order on `stream`.
   void Memset(void* device_ptr, unsigned char value, size_t bytes, void* stream) const;
 
-  // Launches `function` on `stream` with `params` as its only argument.
+  // Launches `function` on `stream` with `params` as its only argument (or, for an entry with
+  // tensor maps, TmaParams with the maps encoded for `params`' buffers).
   void Launch(void* function, const EntryPoint& entry, void* stream,
               const FusedParams& params) const;
+  // Encodes `spec` for the buffer at `address` (CUDA; throws where the driver cannot).
+  void EncodeTensorMap(const TensorMapSpec& spec, const void* address, TensorMap* map) const;
 
   // Device memory and timing, for autotuning at plan-compile time (never during execution:
   // these synchronize). All run in the device's primary context.

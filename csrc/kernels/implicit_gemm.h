@@ -71,12 +71,17 @@ JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilog
   constexpr int kVectors = 8 * static_cast<int>(sizeof(Io::type)) / 16;
   const i64 out = m * K + group * KG + k;
   const i64 param = (m % (P * Q)) * K + group * KG + k;
-  Vec16 packed[kVectors];
-  Io::type* lanes = reinterpret_cast<Io::type*>(packed);
+  Io::type lanes[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) lanes[j] = Io::store(ep.apply(v[j], terms[j], param + j, out + j));
+  Vec16 packed[kVectors];
 #pragma unroll
-  for (int i = 0; i < kVectors; ++i) reinterpret_cast<Vec16*>(y + out)[i] = packed[i];
+  for (int i = 0; i < 4 * kVectors; ++i) {
+    packed[i / 4].v[i % 4] = sizeof(Io::type) == 2 ? pack_halves(lanes[2 * i], lanes[2 * i + 1])
+                                                   : float_to_bits(lanes[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < kVectors; ++i) store16(y + out + i * (8 / kVectors), packed[i]);
 }
 
 // Writes a finished tile: `tile` holds rows x cols fp32 results (row pitch `pitch` floats) for
@@ -98,12 +103,18 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
   }
 }
 
-// The per-channel epilogue terms of channels n0 .. n0 + kCols of `group`.
+// The per-channel epilogue terms of channels n0 .. n0 + kCols of `group`, filled by the
+// kThreads threads numbered `thread` (the block's, unless a warpgroup fills its own table).
 template <int kCols, int kThreads>
-JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
-  for (int j = threadIdx.x; j < kCols; j += kThreads) {
+JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group,
+                          int thread) {
+  for (int j = thread; j < kCols; j += kThreads) {
     terms[j] = n0 + j < KG ? ep.channel(group * KG + n0 + j) : Epilogue::Channel::identity();
   }
+}
+template <int kCols, int kThreads>
+JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
+  fill_terms<kCols, kThreads>(ep, terms, n0, group, threadIdx.x);
 }
 
 }  // namespace implicit_gemm

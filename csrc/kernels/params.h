@@ -18,4 +18,17 @@ struct FusedParams {
   void* y;                // output
 };
 
+// A tensor map (CUtensorMap): 128 opaque bytes the driver encodes on the host and the copy
+// engine reads from the kernel's parameters.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
+};
+
+// The parameters of kernels that load through the copy engine: a tensor map for the input and
+// one for the filters (encoded per launch: they hold the buffers' addresses), then the buffers.
+struct TmaParams {
+  TensorMap x, w;
+  FusedParams p;
+};
+
 }  // namespace jaxfuse

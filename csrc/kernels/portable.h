@@ -31,6 +31,22 @@ struct alignas(16) Vec16 {
 
 JF_DEVICE float bits_to_float(u32 u) { return __uint_as_float(u); }
 JF_DEVICE u32 float_to_bits(float f) { return __float_as_uint(f); }
+JF_DEVICE u32 float_to_bits(u16 h) { return h; }  // (never called: keeps generic code valid)
+// One 16-byte store of `v` to global memory at `dst` (16-byte aligned), as one instruction: a
+// struct copy was split into four 4-byte stores in the warp-specialized kernel (conv_tma.cuh).
+JF_DEVICE void store16(void* dst, const Vec16& v) {
+#ifdef JF_HIP
+  *reinterpret_cast<Vec16*>(dst) = v;
+#else
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.v[0]), "r"(v.v[1]),
+               "r"(v.v[2]), "r"(v.v[3])
+               : "memory");
+#endif
+}
+
+// Two 16-bit values as one 32-bit word, `lo` at the lower address.
+JF_DEVICE u32 pack_halves(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
+JF_DEVICE u32 pack_halves(float, float) { return 0; }  // (never called: generic code)
 
 // bfloat16 <-> float32, round to nearest even (NaN kept quiet).
 JF_DEVICE float bf16_to_float(u16 h) { return bits_to_float(u32(h) << 16); }

@@ -1,0 +1,223 @@
+// Implicit-GEMM convolution on Hopper (sm_90a), warp-specialized: fp16/bf16 NHWC activations,
+// fp32 accumulation, the plan's chain fused into the epilogue.
+//
+// A persistent grid (one block per multiprocessor) walks the output tiles of kBM = 128 pixels x
+// kBN channels. In each block:
+//  - a producer warpgroup, of which one thread issues bulk tensor copies (TMA): per k-tile
+//    (one filter tap, 64 channels) the activations through an im2col tensor map (the copy
+//    engine walks the convolution window, strides and padding itself, zero-filling outside the
+//    image) and the filters through a tiled map, both into 128-byte-swizzled stages of a ring
+//    guarded by mbarriers. It runs ahead across tiles: the next tile's copies overlap this
+//    tile's epilogue.
+//  - two consumer warpgroups, each multiplying 64 rows x kBN with warpgroup MMA straight from
+//    the stages (wgmma.h), then running the epilogue for its rows: the fp32 accumulators pass
+//    through a per-warpgroup staging tile, kEpiCols columns at a time, and leave in 16-byte
+//    stores after the plan's chain (implicit_gemm.h: store_chunk).
+// The producer gives registers to the consumers (setmaxnreg), which hold kBN / 2 accumulators
+// each.
+//
+// From the code generator (namespace plan): kBN (64, 128 or 256), kStages, kEpiCols (32 or
+// 64), kSmemBytes. The host encodes the tensor maps per launch (TmaParams) and checks what the
+// copy engine needs: CG % 64 == 0, KG % 8 == 0, 16-byte aligned buffers, corners and strides
+// the im2col map can express.
+#pragma once
+
+#include "implicit_gemm.h"
+#include "mma.h"
+#include "tma.h"
+#include "wgmma.h"
+
+namespace jaxfuse {
+namespace tma_conv {
+
+using namespace plan;
+using namespace implicit_gemm;
+
+constexpr int kBM = 128;       // two consumer warpgroups of 64 rows
+constexpr int kBK = 64;        // 16-bit values in one 128-byte swizzle row
+constexpr int kConsumers = 2;  // warpgroups
+constexpr int kThreads = (1 + kConsumers) * 128;
+constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
+constexpr i64 kTiles = ((M + kBM - 1) / kBM) * ((KG + kBN - 1) / kBN) * G;
+constexpr u32 kATileBytes = kBM * 128;
+constexpr u32 kBTileBytes = kBN * 128;
+constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
+constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
+constexpr int kEpiPitch = kEpiCols + 4;  // floats: 16-byte rows, writes spread over banks
+constexpr u32 kEpiBytes = 64 * kEpiPitch * 4;  // one consumer warpgroup's staging tile
+constexpr u32 kBarriersOffset = kStages * kStageBytes + kConsumers * kEpiBytes;
+// Registers per thread: the producer keeps few, the consumers take the rest of the 64K.
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+
+static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
+static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
+static_assert(kStages >= 2, "a stage loading while one multiplies");
+static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
+static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
+static_assert(kBarriersOffset + 16 * kStages + 1024 <= kSmemBytes, "shared memory budget");
+static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
+              "register budgets");
+
+struct Ring {
+  u32 stages;  // shared address of stage 0 (1024-byte aligned)
+  u32 full;    // kStages barriers: the stage's copies have landed
+  u32 empty;   // kStages barriers: every consumer thread is done with the stage
+  JF_DEVICE u32 stage(int s) const { return stages + s * kStageBytes; }
+  JF_DEVICE u32 full_bar(int s) const { return full + 8 * s; }
+  JF_DEVICE u32 empty_bar(int s) const { return empty + 8 * s; }
+};
+
+// The producer: for each of this block's tiles, every k-tile's activations and filters.
+JF_DEVICE void produce(const TmaParams& args, const Ring& ring) {
+  tma::prefetch_map(&args.x);
+  tma::prefetch_map(&args.w);
+  u32 it = 0;  // k-tiles issued so far, across tiles: the ring position
+  for (i64 tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
+    const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
+    const i64 image = m0 / (P * Q), pq = m0 % (P * Q);
+    const int w0 = static_cast<int>(pq % Q) * static_cast<int>(SW) - static_cast<int>(PL);
+    const int h0 = static_cast<int>(pq / Q) * static_cast<int>(SH) - static_cast<int>(PT);
+    for (int kt = 0; kt < kKTiles; ++kt, ++it) {
+      const int s = static_cast<int>(it % kStages);
+      tma::wait(ring.empty_bar(s), ((it / kStages) & 1) ^ 1);  // a fresh ring is empty
+      const u32 stage = ring.stage(s), bar = ring.full_bar(s);
+      tma::arrive_expect_bytes(bar, kStageBytes);
+      const int kk0 = kt * kBK;  // = tap * CG + first channel
+      const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+      const int r = tap / static_cast<int>(S), s_tap = tap % static_cast<int>(S);
+      tma::load_im2col(stage, &args.x, static_cast<int>(group * CG) + c0, w0, h0,
+                       static_cast<int>(image), bar, static_cast<u16>(s_tap * DW),
+                       static_cast<u16>(r * DH));
+      const int k0 = static_cast<int>(group * KG) + n0;
+      if (kFiltersKMajor) {  // [k][kk]: kBN rows of 64 reduction values
+        tma::load_tile(stage + kATileBytes, &args.w, kk0, k0, bar);
+      } else {  // [kk][k]: 64 reduction rows of each 64-wide block of output channels
+#pragma unroll
+        for (int j = 0; j < kBN / 64; ++j) {
+          tma::load_tile(stage + kATileBytes + j * kNBlockBytes, &args.w, k0 + 64 * j, kk0, bar);
+        }
+      }
+    }
+  }
+}
+
+// Four k16 steps over one stage: this warpgroup's 64 rows of A times all kBN columns of B.
+JF_DEVICE void multiply_stage(u32 stage, int consumer, float (&acc)[kBN / 2]) {
+  const u32 a = stage + consumer * 64 * 128, b = stage + kATileBytes;
+#pragma unroll
+  for (int j = 0; j < kBK / 16; ++j) {
+    const u64 da = wgmma::descriptor(a + 32 * j, 16, 1024);
+    const u64 db = kFiltersKMajor ? wgmma::descriptor(b + 32 * j, 16, 1024)
+                                  : wgmma::descriptor(b + 2048 * j, kNBlockBytes, 1024);
+    wgmma::mma_64xNx16(acc, da, db);
+  }
+}
+
+// Slice kSlice of one consumer warpgroup's epilogue (columns kSlice * kEpiCols ..), then the
+// next: a compile-time recursion, so every accumulator index stays a constant (a run-time
+// loop over slices put the accumulators in local memory).
+template <int kSlice>
+JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
+                            const Epilogue::Channel* terms, int barrier, int thread, i64 m_rows,
+                            int n0, i64 group, Io::type* y) {
+  if constexpr (kSlice < kBN / kEpiCols) {
+    const int lane = thread % 32, warp = thread / 32;
+    // Accumulators -> staging. wgmma's layout: warp w owns rows 16w..16w+15; registers i, i + 1
+    // (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4 (+ 8 when
+    // i % 4 == 2).
+#pragma unroll
+    for (int i = kSlice * kEpiCols / 2; i < (kSlice + 1) * kEpiCols / 2; i += 2) {
+      const int row = warp * 16 + lane / 4 + 8 * ((i % 4) / 2);
+      const int col = 8 * (i / 4) + 2 * (lane % 4) - kSlice * kEpiCols;
+      *reinterpret_cast<float2*>(staging + row * kEpiPitch + col) = make_float2(acc[i], acc[i + 1]);
+    }
+    tma::sync_threads(barrier, 128);  // the slice (and the terms) are written
+    for (int chunk = thread; chunk < 64 * (kEpiCols / 8); chunk += 128) {
+      const int row = chunk / (kEpiCols / 8), col8 = chunk % (kEpiCols / 8);
+      const i64 m = m_rows + row;
+      const int k = n0 + kSlice * kEpiCols + col8 * 8;
+      if (m >= M || k >= KG) continue;
+      const float4 lo = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8);
+      const float4 hi = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8 + 4);
+      const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      store_chunk(ep, v, terms + kSlice * kEpiCols + col8 * 8, m, k, group, y);
+    }
+    tma::sync_threads(barrier, 128);  // the slice is read: the next may overwrite it
+    store_slices<kSlice + 1>(ep, acc, staging, terms, barrier, thread, m_rows, n0, group, y);
+  }
+}
+
+// One consumer warpgroup's epilogue: its 64 rows (m_rows..) x kBN channels (n0..) of `group`.
+JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
+                          Epilogue::Channel* terms, int consumer, int thread, i64 m_rows, int n0,
+                          i64 group, Io::type* y) {
+  fill_terms<kBN, 128>(ep, terms, n0, group, thread);
+  store_slices<0>(ep, acc, staging, terms, 1 + consumer, thread, m_rows, n0, group, y);
+}
+
+// A consumer warpgroup: for each of this block's tiles, the multiply over every k-tile as its
+// stages land (releasing each once read), then the epilogue of its 64 rows.
+JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
+                       Epilogue::Channel* terms, int consumer, int thread) {
+  const Epilogue ep(args.p);
+  Io::type* y = static_cast<Io::type*>(args.p.y);
+  u32 it = 0;
+  for (i64 tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
+    const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
+    float acc[kBN / 2];
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[i] = 0.0f;
+    int previous = -1;
+    for (int kt = 0; kt < kKTiles; ++kt, ++it) {
+      const int s = static_cast<int>(it % kStages);
+      tma::wait(ring.full_bar(s), (it / kStages) & 1);
+      wgmma::fence();
+      multiply_stage(ring.stage(s), consumer, acc);
+      wgmma::commit();
+      wgmma::wait<1>();  // the multiply of the previous k-tile is done: release its stage
+      if (previous >= 0) tma::arrive(ring.empty_bar(previous));
+      previous = s;
+    }
+    wgmma::wait<0>();
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[i]);
+    tma::arrive(ring.empty_bar(previous));
+    store_rows(ep, acc, staging, terms, consumer, thread, m0 + consumer * 64, n0, group, y);
+  }
+}
+
+}  // namespace tma_conv
+}  // namespace jaxfuse
+
+extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, 1)
+    jaxfuse_conv_tma(const __grid_constant__ jaxfuse::TmaParams args) {
+  using namespace jaxfuse;
+  using namespace jaxfuse::tma_conv;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ Epilogue::Channel terms[kConsumers][kBN];
+
+  // Swizzle atoms and the copy engine's destinations need 1024-byte alignment; the code
+  // generator reserved the slack.
+  const u32 raw = mma::smem_addr(smem);
+  const u32 base = (raw + 1023u) & ~1023u;
+  const Ring ring{base, base + kBarriersOffset, base + kBarriersOffset + 8 * kStages};
+  const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::barrier_init(ring.full_bar(s), 1);
+      tma::barrier_init(ring.empty_bar(s), kConsumers * 128);
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    tma::release_registers<kProducerRegisters>();
+    if (thread == 0) produce(args, ring);
+  } else {
+    tma::claim_registers<kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    float* staging = reinterpret_cast<float*>(
+        smem + (base - raw) + kStages * kStageBytes + consumer * kEpiBytes);
+    consume(args, ring, staging, terms[consumer], consumer, thread);
+  }
+}

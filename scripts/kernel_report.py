@@ -1,0 +1,122 @@
+"""Registers, spills and the instructions that matter, for every variant of a plan's GPU
+kernel, without a GPU: the generated source is compiled with nvcc (ptxas -v) and the SASS is
+counted (tensor-core, bulk-copy, local-memory and 16-byte memory instructions).
+
+    python scripts/kernel_report.py --ops CBNA --dtype bfloat16 --c 64 --k 256 --n 64 --hw 56 --r 1
+    python scripts/kernel_report.py --suite resnet50 --n 64      # every layer of a bench suite
+
+Needs nvcc from a CUDA toolkit ($CUDA_HOME, else /usr/local/cuda) and cuobjdump (the
+toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cases import Case  # noqa: E402
+
+from jaxfuse._extension import extension  # noqa: E402
+
+CUDA = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+
+
+def _cuobjdump() -> str:
+    for candidate in (CUDA / "bin/cuobjdump", shutil.which("cuobjdump")):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    import nvidia  # the pip wheels' namespace package
+
+    for folder in nvidia.__path__:
+        for found in Path(folder).glob("*/bin/cuobjdump"):
+            os.environ["PATH"] = f"{found.parent}{os.pathsep}{os.environ['PATH']}"  # nvdisasm
+            return str(found)
+    raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+
+# SASS opcodes worth counting, by what they say about a kernel.
+OPCODES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "UTMALDG": "TMA loads", "LDGSTS": "cp.async",
+           "LDL": "local loads", "STL": "local stores", "STG.E.128": "16B stores",
+           "LDG.E.128": "16B loads", "BAR.SYNC": "barriers", "SYNCS": "mbarrier ops"}
+
+
+def report(case: Case, arch: str) -> None:
+    encoded = case.build()[0].signature.encode()
+    count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+    print(f"== {case}  ({count} variants)")
+    for variant in range(count):
+        out = extension().gpu_compile_only("CUDA", encoded, arch, variant=variant)
+        target = "sm_90a" if out["solver"] in ("conv_wgmma", "conv_tma") else arch
+        with tempfile.TemporaryDirectory() as folder:
+            src, cubin = Path(folder, "k.cu"), Path(folder, "k.cubin")
+            src.write_text(out["source"])
+            done = subprocess.run(
+                [str(CUDA / "bin/nvcc"), "-cubin", f"-gencode=arch=compute_{target[3:]},"
+                 f"code={target}", "-std=c++17", "-Xptxas", "-v", "-I", str(ROOT / "csrc/kernels"),
+                 "-o", str(cubin), str(src)], capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"  {variant}: {out['solver']} {out['tile']}: nvcc failed\n{done.stderr}")
+                continue
+            usage = {}
+            for line in done.stderr.splitlines():
+                fn = re.search(r"Compiling entry function '(\w+)'", line)
+                if fn:
+                    name = fn.group(1)
+                regs = re.search(r"Used (\d+) registers", line)
+                if regs:
+                    usage[name] = regs.group(1)
+                spill = re.search(r"(\d+) bytes spill stores", line)
+                if spill and spill.group(1) != "0":
+                    usage[name] = usage.get(name, "?") + f" SPILLS {spill.group(1)}B"
+            sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)],
+                                  capture_output=True, text=True).stdout
+            main = out["entries"][0]["name"] if out.get("entries") else ""
+            body = sass.split(f"Function : {main}")[-1].split("Function :")[0] if main else sass
+            counts = {label: len(re.findall(rf"\b{re.escape(op)}\b", body))
+                      for op, label in OPCODES.items()}
+            shown = ", ".join(f"{label} {n}" for label, n in counts.items() if n)
+            print(f"  {variant}: {out['solver']:<14} {out['tile']:<20} regs {usage.get(main, '?')}"
+                  f"  [{shown}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", default=None)
+    parser.add_argument("--ops", default="CBNA")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--filter-layout", default="HWIO")
+    parser.add_argument("--c", type=int, default=64)
+    parser.add_argument("--k", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--hw", type=int, default=28)
+    parser.add_argument("--r", type=int, default=3)
+    parser.add_argument("--stride", type=int, default=1)
+    parser.add_argument("--arch", default="sm_90")
+    opts = parser.parse_args()
+    if opts.suite:
+        from jaxfuse.bench.layers import SUITES
+
+        cases = [Case(ops="CBNA", dtype=opts.dtype, layout="NHWC", filter_layout="HWIO", n=opts.n,
+                      c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                      strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
+                      groups=layer.groups) for layer in SUITES[opts.suite]]
+    else:
+        pad = (opts.r - 1) // 2
+        cases = [Case(ops=opts.ops, dtype=opts.dtype, layout="NHWC",
+                      filter_layout=opts.filter_layout, n=opts.n, c=opts.c, k=opts.k, h=opts.hw,
+                      w=opts.hw, r=opts.r, s=opts.r, strides=(opts.stride,) * 2,
+                      padding=((pad, pad),) * 2)]
+    for case in cases:
+        report(case, opts.arch)
+
+
+if __name__ == "__main__":
+    main()
