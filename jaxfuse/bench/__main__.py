@@ -55,7 +55,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     args = case.arg_sets(sets, device)
     row: dict[str, Any] = {
         "case": case.label(), "layer": case.layer.name, "n": case.n, "dtype": case.dtype,
-        "layout": case.layout, "ops": case.ops,
+        "layout": case.layout, "ops": case.ops, "count": case.layer.count,
         "xla_wall_us": wall_time_per_op(unfused, args, repeats) * 1e6,
     }
     reference = unfused(args[:1])[0]
@@ -134,6 +134,22 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
               f"{_geomean(forced):.2f} (min {min(forced, default=nan):.2f}), auto "
               f"{_geomean(auto):.2f} (min {min(auto, default=nan):.2f}), {len(auto)} cases",
               file=out)
+    # A network suite (layers with counts): the summed time of all its convolutions.
+    for (n, dtype, layout), members in _network_groups(rows).items():
+        sums = {mode: sum(r["count"] * r.get(f"{mode}_{kind}_us", nan) for r in members)
+                for mode in ("xla", "fused", "auto")}
+        print(f"network sum ({kind}) N={n} {dtype} {layout}: xla {sums['xla']:.0f} us, forced "
+              f"{sums['fused']:.0f} us ({sums['xla'] / sums['fused']:.2f}x), auto "
+              f"{sums['auto']:.0f} us ({sums['xla'] / sums['auto']:.2f}x), "
+              f"{sum(r['count'] for r in members)} convolutions", file=out)
+
+
+def _network_groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Rows of network suites (those with a count above 1 somewhere), by batch/dtype/layout."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["n"], r["dtype"], r["layout"]), []).append(r)
+    return {k: v for k, v in groups.items() if any(r.get("count", 1) > 1 for r in v)}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

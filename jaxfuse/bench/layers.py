@@ -20,6 +20,7 @@ class Layer:
     pad: int = 0
     groups: int = 1
     activation: str | None = "relu"  # None: the chain ends before the activation
+    count: int = 1  # how often the network runs this shape (network-weighted totals)
 
     @property
     def has_conv(self) -> bool:
@@ -53,6 +54,34 @@ RESNET50 = [
     Layer("r50_l3_3x3_256", 256, 256, 14, 3, 1, 1),
     Layer("r50_l4_3x3_512", 512, 512, 7, 3, 1, 1),
     Layer("r50_l4_1x1_2048", 512, 2048, 7),
+]
+
+# Every distinct convolution of ResNet-50 (torchvision's / the bench model's: stride in the 3x3),
+# with how often the network runs it: the sum over this suite is the network's convolutions.
+RESNET50_NET = [
+    Layer("r50n_stem_7x7s2", 3, 64, 224, 7, 2, 3),
+    Layer("r50n_56_64_64", 64, 64, 56),
+    Layer("r50n_56_3x3_64", 64, 64, 56, 3, 1, 1, count=3),
+    Layer("r50n_56_64_256", 64, 256, 56, count=4),
+    Layer("r50n_56_256_64", 256, 64, 56, count=2),
+    Layer("r50n_56_256_128", 256, 128, 56),
+    Layer("r50n_56_3x3_128s2", 128, 128, 56, 3, 2, 1),
+    Layer("r50n_56_256_512s2", 256, 512, 56, 1, 2, activation=None),
+    Layer("r50n_28_128_512", 128, 512, 28, count=4),
+    Layer("r50n_28_512_128", 512, 128, 28, count=3),
+    Layer("r50n_28_3x3_128", 128, 128, 28, 3, 1, 1, count=3),
+    Layer("r50n_28_512_256", 512, 256, 28),
+    Layer("r50n_28_3x3_256s2", 256, 256, 28, 3, 2, 1),
+    Layer("r50n_28_512_1024s2", 512, 1024, 28, 1, 2, activation=None),
+    Layer("r50n_14_256_1024", 256, 1024, 14, count=6),
+    Layer("r50n_14_1024_256", 1024, 256, 14, count=5),
+    Layer("r50n_14_3x3_256", 256, 256, 14, 3, 1, 1, count=5),
+    Layer("r50n_14_1024_512", 1024, 512, 14),
+    Layer("r50n_14_3x3_512s2", 512, 512, 14, 3, 2, 1),
+    Layer("r50n_14_1024_2048s2", 1024, 2048, 14, 1, 2, activation=None),
+    Layer("r50n_7_512_2048", 512, 2048, 7, count=3),
+    Layer("r50n_7_2048_512", 2048, 512, 7, count=2),
+    Layer("r50n_7_3x3_512", 512, 512, 7, 3, 1, 1, count=2),
 ]
 
 # MobileNet (v1/v2-style) depthwise 3x3 layers.
@@ -95,4 +124,5 @@ NA = [
     Layer("NA_C1024_H14", 1024, 1024, 14, 0),
 ]
 
-SUITES = {"resnet50": RESNET50, "mobilenet": MOBILENET, "mobilenetv2": MOBILENETV2, "na": NA}
+SUITES = {"resnet50": RESNET50, "resnet50_net": RESNET50_NET, "mobilenet": MOBILENET,
+          "mobilenetv2": MOBILENETV2, "na": NA}
