@@ -87,7 +87,7 @@ _VARIANTS_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
     done = subprocess.run([sys.executable, "-P", "-c",

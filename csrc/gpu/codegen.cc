@@ -322,6 +322,7 @@ std::string WgmmaConstants(const WgmmaTile& t) {
 
 struct TmaTile {
   int bn, stages, epi_cols;
+  int blocks = 1;  // per multiprocessor
   static constexpr int kBM = 128, kThreads = 384;
   // Dynamic shared memory: the ring of stages, two staging tiles, the ring's barriers, and
   // alignment slack; plus the static per-warpgroup tables of epilogue terms (20 bytes each).
@@ -354,27 +355,36 @@ bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
          g.r * g.s * (spec.c / g.groups) < (int64_t{1} << 31) && spec.n < (int64_t{1} << 31);
 }
 
-TmaTile MakeTmaTile(int bn, int max_smem) {
-  TmaTile tile{bn, 8, bn >= 256 ? 32 : 64};
-  while (tile.stages > 2 && tile.SmemBytes() + tile.StaticSmemBytes() > max_smem) --tile.stages;
+// As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
+TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8) {
+  TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks};
+  const int budget = blocks == 1 ? max_smem : max_smem / 2 - 1024;  // the SM's 228 KB, halved
+  while (tile.stages > 2 && tile.SmemBytes() + tile.StaticSmemBytes() > budget) --tile.stages;
   return tile;
 }
 
 // Output tiles as wide as the channels allow (each stage's activations then feed more
-// multiplies), narrower ones where few tiles would leave multiprocessors idle.
+// multiplies) and narrower ones (more tiles: fewer idle multiprocessors in the last wave);
+// for short reductions also two blocks per multiprocessor, one's epilogue overlapping the
+// other's loads and multiplies. The autotuner times them.
 std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
   const int max_smem = std::max(device.max_smem_per_block, 48 * 1024);
   std::vector<TmaTile> all;
   for (const int bn : {256, 128, 64}) {
     if (bn > std::max<int64_t>(64, (kg + 63) / 64 * 64)) continue;  // mostly past the channels
     const int64_t tiles = (m + TmaTile::kBM - 1) / TmaTile::kBM * ((kg + bn - 1) / bn) * g.groups;
-    if (bn > 64 && tiles < sms) continue;  // a narrower tile keeps more multiprocessors busy
-    const TmaTile tile = MakeTmaTile(bn, max_smem);
+    if (bn > 64 && tiles < sms / 2) continue;  // most multiprocessors would idle
+    const TmaTile tile = MakeTmaTile(bn, 1, max_smem);
     if (tile.stages >= 3) all.push_back(tile);
-    if (all.size() == 2) break;
+  }
+  if (k_tiles <= 8) {  // 64 wide: a 64x128 multiply needs more than 80 registers to issue
+    const TmaTile tile = MakeTmaTile(64, 2, max_smem, static_cast<int>(std::min<int64_t>(
+                                                          4, std::max<int64_t>(2, k_tiles + 1))));
+    if (tile.stages >= 2) all.push_back(tile);
   }
   return all;
 }
@@ -382,7 +392,7 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
 std::string TmaConstants(const TmaTile& t) {
   Text s;
   s << "constexpr int kBN = " << t.bn << ", kStages = " << t.stages
-    << ", kEpiCols = " << t.epi_cols << ";\n"
+    << ", kEpiCols = " << t.epi_cols << ", kBlocks = " << t.blocks << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
   return s.str();
 }
@@ -545,14 +555,14 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       const int sms = device.sm_count > 0 ? device.sm_count : 132;
       out.solver = "conv_tma";
       out.tile = "128x" + std::to_string(tile.bn) + " s" + std::to_string(tile.stages) + " e" +
-                 std::to_string(tile.epi_cols);
+                 std::to_string(tile.epi_cols) + " b" + std::to_string(tile.blocks);
       out.compile_arch = "sm_90a";
       out.source = TranslationUnit(spec, TmaConstants(tile), {}) +
                    WgmmaFunction(tile.bn, spec.dtype == DType::kBF16 ? 2 : 1,
                                  g.filter_layout == FilterLayout::kHWIO) +
                    "#include \"conv_tma.cuh\"\n#include \"conv_direct.cuh\"\n";
       EntryPoint entry{"jaxfuse_conv_tma",
-                       static_cast<unsigned>(std::min<int64_t>(tiles_total, sms)),
+                       static_cast<unsigned>(std::min<int64_t>(tiles_total, sms * tile.blocks)),
                        TmaTile::kThreads, static_cast<unsigned>(tile.SmemBytes()), 16};
       entry.tensor_maps = TmaMaps(spec, tile);
       out.entries.push_back(entry);

@@ -17,7 +17,8 @@
 // each.
 //
 // From the code generator (namespace plan): kBN (64, 128 or 256), kStages, kEpiCols (32 or
-// 64), kSmemBytes. The host encodes the tensor maps per launch (TmaParams) and checks what the
+// 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets one block's epilogue overlap the
+// other's multiplies, for short reductions). The host encodes the tensor maps per launch (TmaParams) and checks what the
 // copy engine needs: CG % 64 == 0, KG % 8 == 0, 16-byte aligned buffers, corners and strides
 // the im2col map can express.
 #pragma once
@@ -46,8 +47,10 @@ constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide 
 constexpr int kEpiPitch = kEpiCols + 4;  // floats: 16-byte rows, writes spread over banks
 constexpr u32 kEpiBytes = 64 * kEpiPitch * 4;  // one consumer warpgroup's staging tile
 constexpr u32 kBarriersOffset = kStages * kStageBytes + kConsumers * kEpiBytes;
-// Registers per thread: the producer keeps few, the consumers take the rest of the 64K.
-constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+// Registers per thread: the producer keeps few, the consumers take the rest of the block's
+// share of the 64K (kBlocks blocks per multiprocessor, a code-generator constant).
+constexpr int kProducerRegisters = kBlocks == 1 ? 40 : 24;
+constexpr int kConsumerRegisters = kBlocks == 1 ? 232 : 112;
 
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
@@ -55,8 +58,8 @@ static_assert(kStages >= 2, "a stage loading while one multiplies");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kBarriersOffset + 16 * kStages + 1024 <= kSmemBytes, "shared memory budget");
-static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
-              "register budgets");
+static_assert(kBlocks * (128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters) <=
+                  65536, "register budgets");
 
 struct Ring {
   u32 stages;  // shared address of stage 0 (1024-byte aligned)
@@ -189,7 +192,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 }  // namespace tma_conv
 }  // namespace jaxfuse
 
-extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, 1)
+extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfuse::plan::kBlocks)
     jaxfuse_conv_tma(const __grid_constant__ jaxfuse::TmaParams args) {
   using namespace jaxfuse;
   using namespace jaxfuse::tma_conv;
