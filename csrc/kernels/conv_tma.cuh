@@ -47,10 +47,13 @@ constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide 
 constexpr int kEpiPitch = kEpiCols + 4;  // floats: 16-byte rows, writes spread over banks
 constexpr u32 kEpiBytes = 64 * kEpiPitch * 4;  // one consumer warpgroup's staging tile
 constexpr u32 kBarriersOffset = kStages * kStageBytes + kConsumers * kEpiBytes;
-// Registers per thread: the producer keeps few, the consumers take the rest of the block's
-// share of the 64K (kBlocks blocks per multiprocessor, a code-generator constant).
+// Registers per thread: the producer keeps few, the consumers take the rest of what the block
+// was given at launch (the 64K shared by kBlocks blocks, a code-generator constant: 168 or 80
+// per thread). A consumer claiming more than the producer gave back would wait forever.
+constexpr int kLaunchRegisters = 65536 / (kThreads * kBlocks) / 8 * 8;
 constexpr int kProducerRegisters = kBlocks == 1 ? 40 : 24;
-constexpr int kConsumerRegisters = kBlocks == 1 ? 232 : 112;
+constexpr int kConsumerRegisters =
+    (kThreads * kLaunchRegisters - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
 
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
@@ -58,8 +61,9 @@ static_assert(kStages >= 2, "a stage loading while one multiplies");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kBarriersOffset + 16 * kStages + 1024 <= kSmemBytes, "shared memory budget");
-static_assert(kBlocks * (128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters) <=
-                  65536, "register budgets");
+static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <=
+                  kThreads * kLaunchRegisters && kConsumerRegisters >= kLaunchRegisters,
+              "register budgets within the block's launch allocation");
 
 struct Ring {
   u32 stages;  // shared address of stage 0 (1024-byte aligned)
