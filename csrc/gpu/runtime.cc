@@ -573,4 +573,11 @@ void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
         "launching the fused kernel");
 }
 
+void Driver::LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
+                         void* stream, const void* params) const {
+  void* args[] = {const_cast<void*>(params)};  // the driver copies the block when enqueuing
+  Check(api_->launch(function, grid, 1, 1, block, 1, 1, shared_bytes, stream, args, nullptr),
+        "launching a kernel");
+}
+
 }  // namespace jaxfuse::gpu

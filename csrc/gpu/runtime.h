@@ -62,6 +62,10 @@ class Driver {
   // Launches `function` on `stream` with `params` as its only argument.
   void Launch(void* function, const EntryPoint& entry, void* stream,
               const FusedParams& params) const;
+  // Launches `function` on `stream` with one parameter passed by value: the kernel's parameter
+  // block, read from `params` (as many bytes as the kernel declares).
+  void LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
+                   void* stream, const void* params) const;
 
   // Device memory and timing, for autotuning at plan-compile time (never during execution:
   // these synchronize). All run in the device's primary context.
