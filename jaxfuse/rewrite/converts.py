@@ -10,8 +10,8 @@ A conversion is batched when
 
 - it is a top-level ``convert_element_type`` between two of float32, float16 and bfloat16
   (not weakly typed, no sharding of its own);
-- a fused call reads its result as an operand: the convolution's filter or input, or the
-  residual added (what :func:`jaxfuse.rewrite.lowering.emit` reads as it is);
+- a fused call reads its result as an operand in the plan's dtype: the convolution's filter or
+  input, or the residual added (what :func:`jaxfuse.rewrite.lowering.emit` reads as it is);
 - nothing else needs the converted copy: every use of it is inside a chain that is fused
   (chains left to XLA, in auto mode or with ``solver="xla"``, keep their conversions exactly as
   the program wrote them), and the scope does not return it;
@@ -95,9 +95,11 @@ def plan_convert_batch(g: Graph, groups: list[Group]) -> ConvertBatch | None:
 
 def _operands_read(group: Group) -> list[Value]:
     """The values the fused call for `group` reads as they are (lowering.emit): the
-    convolution's input and filter, and the residual operand."""
+    convolution's input and filter, and the residual operand, when they are in the plan's
+    dtype (otherwise the call converts them again, and XLA would rather fuse both steps)."""
     values = list(group.conv.inputs[:2])
     values += [op.steps[0].operand.value for op in group.plan_ops if op.letter == "S"]
+    values = [v for v in values if v.dtype == group.info.dtype]
     return values
 
 
