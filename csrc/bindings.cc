@@ -3,9 +3,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/string_view.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <memory>
 #include <string>
+#include <tuple>
 
 #include "cpu/fused_cpu.h"
 #include "cpu/thread_pool.h"
@@ -13,6 +16,7 @@
 #include "ffi/plan_registry.h"
 #include "gpu/autotune.h"
 #include "gpu/backend.h"
+#include "gpu/convert_many.h"
 #include "gpu/embedded_sources.h"
 #include "gpu/kernel_cache.h"
 #include "gpu/stopwatch.h"
@@ -67,6 +71,71 @@ NB_MODULE(_jaxfuse_ext, m) {
     handlers["ROCM"] = rocm;
     return handlers;
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
+
+  m.def("convert_handlers", [] {
+    nb::dict handlers, cuda, rocm;
+    cuda["initialize"] = Capsule(jaxfuse::kConvertManyCudaInitialize);
+    cuda["execute"] = Capsule(jaxfuse::kConvertManyCuda);
+    rocm["initialize"] = Capsule(jaxfuse::kConvertManyRocmInitialize);
+    rocm["execute"] = Capsule(jaxfuse::kConvertManyRocm);
+    handlers["CUDA"] = cuda;
+    handlers["ROCM"] = rocm;
+    return handlers;
+  }, "The batched conversion's FFI handlers by GPU platform (dicts of capsules by FFI stage).");
+
+  m.def("convert_tables", [](const std::vector<std::tuple<uint64_t, uint64_t, int64_t, int, int>>&
+                                 requests) {
+    std::vector<jaxfuse::gpu::ConvertRequest> decoded;
+    for (const auto& [src, dst, elements, src_code, dst_code] : requests) {
+      decoded.push_back({reinterpret_cast<const void*>(src), reinterpret_cast<void*>(dst),
+                         elements, src_code, dst_code});
+    }
+    nb::list tables;
+    jaxfuse::gpu::ForEachConvertTable(
+        decoded.data(), static_cast<int>(decoded.size()), [&](const jaxfuse::ConvertTable& t) {
+          nb::list segments;
+          for (int i = 0; i < t.count; ++i) {
+            const jaxfuse::ConvertSegment& s = t.segments[i];
+            segments.append(nb::make_tuple(reinterpret_cast<uint64_t>(s.src),
+                                           reinterpret_cast<uint64_t>(s.dst), s.elements,
+                                           s.first, s.codes));
+          }
+          tables.append(nb::make_tuple(t.items, segments));
+        });
+    return tables;
+  }, nb::arg("requests"),
+     "The launches of one batched conversion (for tests): per launch (items, segments), each\n"
+     "segment (src, dst, elements, first item, codes), from (src, dst, elements, src code,\n"
+     "dst code) requests with fake addresses.");
+
+  m.def("gpu_compile_convert", [](std::string_view platform, const std::string& arch) {
+    std::string binary;
+    {
+      nb::gil_scoped_release release;
+      binary = jaxfuse::gpu::CompileConvertOnly(ParsePlatform(platform), arch);
+    }
+    nb::dict out;
+    out["binary_bytes"] = binary.size();
+    out["source"] = jaxfuse::gpu::ConvertSource();
+    out["table_bytes"] = sizeof(jaxfuse::ConvertTable);
+    out["max_segments"] = jaxfuse::kMaxConvertSegments;
+    return out;
+  }, nb::arg("platform"), nb::arg("arch"),
+     "Compiles the batched conversion's kernel for an architecture without a device.");
+
+  m.def("gpu_prepare_convert", [](std::string_view platform, int ordinal) {
+    const Platform p = ParsePlatform(platform);
+    std::shared_ptr<const jaxfuse::gpu::ConvertKernel> kernel;
+    {
+      nb::gil_scoped_release release;
+      kernel = jaxfuse::gpu::GetConvertKernel(p, ordinal);
+    }
+    nb::dict out;
+    out["arch"] = kernel->arch;
+    out["origin"] = kernel->origin;
+    return out;
+  }, nb::arg("platform"), nb::arg("ordinal"),
+     "Compiles (or finds in the disk cache) and loads the batched conversion's kernel.");
 
   m.def("stopwatch_handler", [] { return Capsule(jaxfuse::kStopwatchGpu); },
         "The 'jaxfuse_stopwatch' custom call's handler (CUDA and ROCM).");

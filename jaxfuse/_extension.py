@@ -9,9 +9,10 @@ import jax
 
 from . import runtime
 
-__all__ = ["FFI_TARGET", "STOPWATCH_TARGET", "extension", "register_targets"]
+__all__ = ["CONVERT_TARGET", "FFI_TARGET", "STOPWATCH_TARGET", "extension", "register_targets"]
 
 FFI_TARGET = "jaxfuse_fused_chain"
+CONVERT_TARGET = "jaxfuse_convert_many"  # many float conversions in one kernel (convert.py)
 STOPWATCH_TARGET = "jaxfuse_stopwatch"  # marks device time in timing programs (measure.py)
 
 
@@ -35,10 +36,13 @@ def extension() -> ModuleType:
 
 @functools.cache
 def register_targets() -> None:
-    """Registers the fused-chain handlers for every platform (done at ``import jaxfuse``, so a
-    deserialized ``jax.export`` program finds them too)."""
+    """Registers the fused-chain handlers for every platform and the batched conversion's for
+    the GPU platforms (done at ``import jaxfuse``, so a deserialized ``jax.export`` program
+    finds them too)."""
     for platform, handler in extension().ffi_handlers().items():
         jax.ffi.register_ffi_target(FFI_TARGET, handler, platform=platform)
+    for platform, handler in extension().convert_handlers().items():
+        jax.ffi.register_ffi_target(CONVERT_TARGET, handler, platform=platform)
     for platform in ("CUDA", "ROCM"):
         jax.ffi.register_ffi_target(STOPWATCH_TARGET, extension().stopwatch_handler(),
                                     platform=platform)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse import fuse
+from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, forward_seconds
 from jaxfuse.bench.models import random_variables
 
@@ -73,6 +73,9 @@ def main() -> None:
     x = jax.device_put(x)
     programs = {"plain": jax.jit(model.apply),
                 opts.solver: jax.jit(fuse(model.apply, solver=opts.solver))}
+    report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)
+    print(f"-- {opts.solver}: {report.fused_calls} fused calls, {len(report.to_xla)} chains left "
+          f"to XLA, {report.converts_batched} conversions batched into one op")
     for name, fn in programs.items():
         wall = forward_seconds(fn, (variables, x), calls=20) * 1e6
         s = trace_summary(fn, (variables, x), opts.calls)

@@ -76,6 +76,15 @@ def test_compile_error_carries_the_log() -> None:
         extension().gpu_compile_only("CUDA", signature.encode(), "sm_1")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convert_kernel_compiles(arch: str) -> None:
+    """The batched conversion's fixed kernel (jaxfuse_convert_many): its parameter block, a
+    table of segments passed by value, stays within the 4 KB every CUDA launch takes."""
+    out = extension().gpu_compile_convert("CUDA", arch)
+    assert out["binary_bytes"] > 0
+    assert out["table_bytes"] <= 4096 and out["max_segments"] >= 64
+
+
 # Every tile variant autotuning may pick must compile too (sm_90: wgmma tiles; sm_80: mma.sync).
 TILED = [Case(ops="CBNSA", dtype="float16", layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw,
               w=hw) for fl, c, k, n, hw in (("HWIO", 64, 256, 64, 28), ("OHWI", 512, 512, 1, 7),
@@ -142,6 +151,12 @@ def test_kernel_compiles_for_amd(case: Case, arch: str) -> None:
     assert out["binary_bytes"] > 0
     # The tensor-core solvers are CUDA-only; HIP runs the portable kernels.
     assert out["solver"] in ("pointwise", "conv_direct", "conv_depthwise")
+
+
+@pytest.mark.skipif(not HIPRTC, reason="hiprtc is not installed")
+@pytest.mark.parametrize("arch", AMD_ARCHS)
+def test_convert_kernel_compiles_for_amd(arch: str) -> None:
+    assert extension().gpu_compile_convert("ROCM", arch)["binary_bytes"] > 0
 
 
 # fp32 through TF32 on the implicit-GEMM kernel (behind JAXFUSE_TF32_KERNELS=1 until it has run

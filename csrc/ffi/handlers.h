@@ -1,6 +1,6 @@
 // The FFI handler symbols the extension exports: the CPU handler, and per GPU platform an
-// initialize-stage handler (compile and load the kernel) and an execute-stage handler; and the
-// stopwatch used to time candidate solvers.
+// initialize-stage handler (compile and load the kernel) and an execute-stage handler, for the
+// fused chain and the batched conversion; and the stopwatch used to time candidate solvers.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -12,6 +12,11 @@ extern "C" XLA_FFI_Error* kFusedChainCudaInitialize(XLA_FFI_CallFrame* call_fram
 extern "C" XLA_FFI_Error* kFusedChainCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocmInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocm(XLA_FFI_CallFrame* call_frame);
+// The batched float conversion ("jaxfuse_convert_many"); on the CPU it lowers to XLA's converts.
+extern "C" XLA_FFI_Error* kConvertManyCudaInitialize(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* kConvertManyCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* kConvertManyRocmInitialize(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* kConvertManyRocm(XLA_FFI_CallFrame* call_frame);
 // The device stopwatch's mark (CUDA and ROCM alike: the platform is the stopwatch's).
 extern "C" XLA_FFI_Error* kStopwatchGpu(XLA_FFI_CallFrame* call_frame);
 

@@ -21,26 +21,12 @@ namespace {
 std::mutex stats_mu;
 BackendStats stats;
 
-// Hash of every kernel header: part of each cache key, so editing a kernel source
-// invalidates what was compiled from it.
-const std::string& HeadersHash() {
-  static const std::string hash = [] {
-    std::string all;
-    for (int i = 0; i < kNumEmbeddedSources; ++i) {
-      all += kEmbeddedSources[i].name;
-      all += '\0';
-      all += kEmbeddedSources[i].text;
-    }
-    return std::to_string(Fnv1a64(all));
-  }();
-  return hash;
-}
-
 std::string CacheKey(Platform platform, const std::string& arch, const std::string& compiler,
                      const GeneratedKernel& generated, const PlanSpec& spec) {
   return std::string("jaxfuse-kernel-v1|") + PlatformName(platform) + "|" + arch + "|" +
-         compiler + "|src=" + HeadersHash() + "-" + std::to_string(Fnv1a64(generated.source)) +
-         "|" + generated.solver + "|" + spec.canonical;
+         compiler + "|src=" + KernelSourcesHash() + "-" +
+         std::to_string(Fnv1a64(generated.source)) + "|" + generated.solver + "|" +
+         spec.canonical;
 }
 
 struct Slot {
@@ -222,6 +208,23 @@ void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel,
     }
   }
 }
+
+const std::string& KernelSourcesHash() {
+  static const std::string hash = [] {
+    std::string all;
+    for (int i = 0; i < kNumEmbeddedSources; ++i) {
+      all += kEmbeddedSources[i].name;
+      all += '\0';
+      all += kEmbeddedSources[i].text;
+    }
+    return std::to_string(Fnv1a64(all));
+  }();
+  return hash;
+}
+
+void CountCompilation() { Count(&BackendStats::compilations); }
+void CountDiskHit() { Count(&BackendStats::disk_hits); }
+void CountLoad() { Count(&BackendStats::loads); }
 
 BackendStats Stats() {
   std::lock_guard<std::mutex> lock(stats_mu);

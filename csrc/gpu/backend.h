@@ -48,4 +48,14 @@ std::string CompileOnly(Platform platform, const PlanSpec& spec, const DeviceInf
 
 BackendStats Stats();
 
+// A hash of every embedded kernel source: part of each disk-cache key, so editing a kernel
+// source invalidates what was compiled from it.
+const std::string& KernelSourcesHash();
+
+// Counts one runtime-compiler run, disk-cache hit or module load in Stats() (for kernels this
+// file does not build, such as the batched conversion's).
+void CountCompilation();
+void CountDiskHit();
+void CountLoad();
+
 }  // namespace jaxfuse::gpu

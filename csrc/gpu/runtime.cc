@@ -603,17 +603,17 @@ void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
     EncodeTensorMap(entry.tensor_maps[0], params.x, &args.x);
     EncodeTensorMap(entry.tensor_maps[1], params.w, &args.w);
     args.p = params;
-    void* pointers[] = {&args};
-    Check(api_->launch(function, entry.grid, 1, 1, entry.block, 1, 1, entry.shared_bytes, stream,
-                       pointers, nullptr),
-          "launching the fused kernel");
+    LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &args);
     return;
   }
-  FusedParams copy = params;
-  void* args[] = {&copy};
-  Check(api_->launch(function, entry.grid, 1, 1, entry.block, 1, 1, entry.shared_bytes, stream,
-                     args, nullptr),
-        "launching the fused kernel");
+  LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &params);
+}
+
+void Driver::LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
+                         void* stream, const void* params) const {
+  void* args[] = {const_cast<void*>(params)};  // the driver copies the block when enqueuing
+  Check(api_->launch(function, grid, 1, 1, block, 1, 1, shared_bytes, stream, args, nullptr),
+        "launching a kernel");
 }
 
 }  // namespace jaxfuse::gpu

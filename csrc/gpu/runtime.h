@@ -65,6 +65,10 @@ class Driver {
               const FusedParams& params) const;
   // Encodes `spec` for the buffer at `address` (CUDA; throws where the driver cannot).
   void EncodeTensorMap(const TensorMapSpec& spec, const void* address, TensorMap* map) const;
+  // Launches `function` on `stream` with one parameter passed by value: the kernel's parameter
+  // block, read from `params` (as many bytes as the kernel declares).
+  void LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
+                   void* stream, const void* params) const;
 
   // Device memory and timing, for autotuning at plan-compile time (never during execution:
   // these synchronize). All run in the device's primary context.

@@ -5,6 +5,8 @@ The traced jaxpr is evaluated equation by equation under whatever trace calls th
 the group's last equation was; every other equation is bound again as it was, with its source
 information. Call-like and control-flow equations (jit, custom_jvp/vjp calls, scan, cond, while,
 remat) get their bodies rewritten the same way and are bound again with the new bodies.
+Conversions that only the fused calls read (Flax's float32 filters converted to the computation
+dtype) are bound as one batched conversion per scope instead (:mod:`.converts`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import jax
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
+from ..convert import convert_many
 from ..find import FUSED
 from ..solvers import XLA, solver_mode
 from .choice import ChainCosts, choose_for_program
+from .converts import ConvertBatch, plan_convert_batch
 from .graph import Graph, Value, call_name
 from .lowering import build_plan, compile_plans, emit, plan_of
 from .matcher import Group, Skipped, find_groups
@@ -40,12 +44,13 @@ _BODY_PARAMS = {"jaxpr", "call_jaxpr", "branches", "cond_jaxpr", "body_jaxpr"}
 class Recorder:
     """Collects what the rewrite did in every scope (for :func:`jaxfuse.fusion_report`):
     per scope, the groups fused, the groups left to XLA by measurement, and the
-    convolutions that could not start a chain."""
+    convolutions that could not start a chain; and the conversions batched."""
 
     def __init__(self) -> None:
         self.scopes: list[tuple[str, list[Group], list[Group], list[Skipped]]] = []
         self.notes: list[tuple[str, JaxprEqn, str]] = []
         self.solvers: dict[int, str] = {}  # id(group) -> what runs it (a kernel, or "xla")
+        self.converts: list[tuple[str, int]] = []  # (scope, conversions batched into one op)
 
 
 _recorder: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
@@ -78,7 +83,9 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     ``"auto"``, the default, both candidates are measured on this device and the program's
     chains are assigned together (device-bound programs by device time, launch-bound ones
     also by the host's launch work; :mod:`jaxfuse.rewrite.choice`); a chain given to XLA is
-    left exactly as `fn` computes it.
+    left exactly as `fn` computes it. Float conversions that only fused calls read (every
+    filter a Flax model keeps in float32 and computes with in bfloat16) run as one batched
+    conversion, one GPU kernel instead of one each; results are bit for bit the same.
 
     The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
     ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
@@ -164,7 +171,13 @@ class Rewriter:
                     self.recorder.solvers[id(group)] = plan_of(group, forced.get(id(group))).solver
         else:
             forced = {}
+        # Conversions only the fused calls read become one op (one GPU kernel).
+        batch = plan_convert_batch(g, groups) if g is not None else None
+        if batch is not None and self.recorder is not None:
+            self.recorder.converts.append(("/".join(self._scope), len(batch.values)))
         consumed = set().union(*(group.tops for group in groups))
+        if batch is not None:
+            consumed |= batch.eqns
         emit_at = {group.emit_at: group for group in groups}
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
@@ -185,6 +198,8 @@ class Rewriter:
             return inner[value]
 
         for index, eqn in enumerate(jaxpr.eqns):
+            if batch is not None and index == batch.emit_at:
+                _emit_batch(batch, read, env)
             if index in emit_at:
                 group = emit_at[index]
                 with _source_context(group.conv.eqn):
@@ -287,6 +302,14 @@ class Rewriter:
                     any(self._has_conv(j) for j in _jaxprs_in(e.params)) for e in jaxpr.eqns)
         self._conv_inside[id(jaxpr)] = (jaxpr, found)  # keeps `jaxpr` alive: its id stays unique
         return found
+
+
+def _emit_batch(batch: ConvertBatch, read: Callable[[Value], Any], env: dict[Any, Any]) -> None:
+    """Binds the batched conversion and gives each converted value its result."""
+    outs = convert_many([read(source) for source in batch.sources], batch.dtypes)
+    for value, out in zip(batch.values, outs):
+        for var in value.top_vars:
+            env[var] = out
 
 
 def _bind(eqn: JaxprEqn, invals: Sequence[Any], params: dict[str, Any] | None = None

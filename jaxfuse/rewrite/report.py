@@ -76,12 +76,18 @@ class LeftAlone:
 @dataclasses.dataclass(frozen=True)
 class FusionReport:
     """The fused groups, the chains left to XLA by measurement, the convolutions
-    left alone, and the rewritten program."""
+    left alone, and the rewritten program.
+
+    `converts_batched`: the float conversions of the fused calls' operands (filters that Flax
+    converts from ``param_dtype`` to ``dtype``, ...) that run as one batched op per scope
+    instead of one kernel each (:mod:`jaxfuse.rewrite.converts`).
+    """
 
     fused: tuple[FusedGroup, ...]
     left_alone: tuple[LeftAlone, ...]
     jaxpr: ClosedJaxpr
     to_xla: tuple[FusedGroup, ...] = ()
+    converts_batched: int = 0
 
     @property
     def fused_calls(self) -> int:
@@ -119,6 +125,9 @@ class FusionReport:
             lines.append(f"  xla   {g.plan} at {g.where}: {why}")
         for s in self.left_alone:
             lines.append(f"  left  {s.op} at {s.where}: {s.reason}")
+        if self.converts_batched:
+            lines.append(f"  {self.converts_batched} conversions of fused calls' operands run "
+                         "as one batched op")
         measured = [g for g in (*self.fused, *self.to_xla) if g.saved_us is not None]
         if measured:
             unfused = sum(dict(g.times_us)["xla"] for g in measured)
@@ -171,7 +180,8 @@ def fusion_report(fn: Callable[..., Any], *example_args: Any,
         left += [_describe_skipped(scope, s) for s in skipped]
     left += [LeftAlone(eqn.primitive.name, _where(eqn), scope, note)
              for scope, eqn, note in recorder.notes]
-    return FusionReport(tuple(fused), tuple(left), new, tuple(to_xla))
+    converts = sum(count for _, count in recorder.converts)
+    return FusionReport(tuple(fused), tuple(left), new, tuple(to_xla), converts)
 
 
 def count_fused_calls(jaxpr: ClosedJaxpr | Jaxpr) -> int:

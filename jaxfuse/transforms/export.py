@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from .._extension import FFI_TARGET
+from .._extension import CONVERT_TARGET, FFI_TARGET
 
 __all__ = ["export_disabled_checks"]
 
@@ -13,9 +13,11 @@ def export_disabled_checks() -> list[jax.export.DisabledSafetyCheck]:
     """The ``disabled_checks`` that let ``jax.export`` accept jaxfuse's custom call.
 
     ``jax.export`` refuses custom calls whose target is not on JAX's list of targets with a
-    stable ABI. jaxfuse's target (``"jaxfuse_fused_chain"``) carries its whole plan as a
-    versioned string attribute and is registered by ``import jaxfuse``, so a serialized
-    program runs in any process that has imported jaxfuse (a compatible version of it).
+    stable ABI. jaxfuse's targets (``"jaxfuse_fused_chain"``, which carries its whole plan as a
+    versioned string attribute, and ``"jaxfuse_convert_many"``, the batched float conversion
+    :func:`jaxfuse.fuse` emits for GPUs, whose operand and result types say everything) are
+    registered by ``import jaxfuse``, so a serialized program runs in any process that has
+    imported jaxfuse (a compatible version of it).
 
     >>> import jax, jaxfuse as jf                                        # doctest: +SKIP
     >>> exp = jax.export.export(jax.jit(f),
@@ -23,4 +25,5 @@ def export_disabled_checks() -> list[jax.export.DisabledSafetyCheck]:
     >>> blob = exp.serialize()           # later, elsewhere: import jaxfuse first, then
     >>> jax.export.deserialize(blob).call(x, args)
     """
-    return [jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(target)
+            for target in (FFI_TARGET, CONVERT_TARGET)]

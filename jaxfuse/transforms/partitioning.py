@@ -38,7 +38,7 @@ from .._extension import FFI_TARGET
 from ..signature import PlanSignature
 
 __all__ = ["chain_factors", "partitioned_lowering", "require_devices_at_lowering",
-           "shard_signature", "typed_output_sharding"]
+           "shard_signature", "spans_devices", "typed_output_sharding"]
 
 LoweringRule = Callable[..., Sequence[Any]]
 
@@ -243,7 +243,7 @@ _sharded_chain.def_partition(partition=_partition,
 
 
 # ----- choosing the lowering ---------------------------------------------------------------------
-def _spans_devices(ctx: mlir.LoweringRuleContext) -> bool:
+def spans_devices(ctx: mlir.LoweringRuleContext) -> bool:
     """True when the program being lowered is partitioned over more than one device.
 
     The axis context has no public type; its two kinds are told apart by their attributes
@@ -268,7 +268,7 @@ def partitioned_lowering(direct: LoweringRule) -> LoweringRule:
 
     def lowering(ctx: mlir.LoweringRuleContext, *args: Any,
                  signature: PlanSignature) -> Sequence[Any]:
-        if _for_export(ctx) or not _spans_devices(ctx):
+        if _for_export(ctx) or not spans_devices(ctx):
             return direct(ctx, *args, signature=signature)
         sharded = functools.partial(_sharded_chain, signature)
         return mlir.lower_fun(sharded, multiple_results=False)(ctx, *args)
