@@ -159,8 +159,8 @@ def test_convert_kernel_compiles_for_amd(arch: str) -> None:
     assert extension().gpu_compile_convert("ROCM", arch)["binary_bytes"] > 0
 
 
-# fp32 through TF32 on the implicit-GEMM kernel (behind JAXFUSE_TF32_KERNELS=1 until it has run
-# on a GPU): every filter layout it reads, each tile, strides, dilation, groups.
+# fp32 through TF32 on the implicit-GEMM kernel (JAXFUSE_TF32_KERNELS=0 turns it off): every
+# filter layout it reads, each tile, strides, dilation, groups.
 TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout="NHWC", filter_layout=fl, c=c, k=k,
                    n=n, h=hw, w=hw, strides=st, dilation=dl, groups=gr)
               for fl in ("HWIO", "OHWI")
@@ -174,8 +174,9 @@ TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout="NHWC", filter_layout=fl
 @pytest.mark.parametrize("case", TF32_CASES, ids=str)
 def test_fp32_plans_compile_on_the_tf32_kernel(case: Case, arch: str, monkeypatch) -> None:
     encoded = case.build()[0].signature.encode()
+    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "0")
     assert extension().gpu_compile_only("CUDA", encoded, arch)["solver"] == "conv_direct"
-    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "1")
+    monkeypatch.delenv("JAXFUSE_TF32_KERNELS")
     out = extension().gpu_compile_only("CUDA", encoded, arch)
     assert out["solver"] == "conv_igemm"
     for variant in range(1, out["variants"]):

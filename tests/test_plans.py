@@ -177,7 +177,7 @@ def test_functional_matches_plan(device) -> None:
         ("CBNSA", "OHWI", 256, 96, 4, 7, (1, 1), (1, 1), 1, ((0, 1), (1, 0)), "tanh"))
 ], ids=str)
 def test_fp32_through_tf32_matches_the_reference(case, monkeypatch) -> None:
-    """The TF32 tensor-core kernel (JAXFUSE_TF32_KERNELS=1) against float64, within fp32's
+    """The TF32 tensor-core kernel (on unless JAXFUSE_TF32_KERNELS=0) against float64, within fp32's
     GPU tolerance (which allows TF32), every element written (outputs are poisoned)."""
     monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "1")
     gpu = jax.devices("gpu")[0]
