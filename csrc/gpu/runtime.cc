@@ -595,13 +595,47 @@ void Driver::EncodeTensorMap(const TensorMapSpec& spec, const void* address,
                             : "encoding the filters' tensor map");
 }
 
+namespace {
+
+bool SameMap(const TensorMapSpec& a, const TensorMapSpec& b) {
+  return a.filters == b.filters && a.im2col == b.im2col && a.data_type == b.data_type &&
+         a.rank == b.rank && a.channels == b.channels && a.pixels == b.pixels &&
+         std::equal(a.dims, a.dims + 5, b.dims) && std::equal(a.strides, a.strides + 4, b.strides) &&
+         std::equal(a.box, a.box + 5, b.box) &&
+         std::equal(a.element_strides, a.element_strides + 5, b.element_strides) &&
+         std::equal(a.lower, a.lower + 2, b.lower) && std::equal(a.upper, a.upper + 2, b.upper);
+}
+
+}  // namespace
+
+const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* address) const {
+  // The maps last encoded on this thread, by buffer address: XLA hands a program the same
+  // buffers call after call, so most launches skip encoding. Per thread: no lock.
+  struct Entry {
+    TensorMapSpec spec;
+    const void* address = nullptr;
+    TensorMap map;
+  };
+  constexpr size_t kSlots = 64;
+  thread_local Entry slots[kSlots];
+  const size_t slot = (reinterpret_cast<uintptr_t>(address) / 256 + spec.dims[0] * 31 +
+                       spec.dims[1] * 7 + spec.filters) % kSlots;
+  Entry& entry = slots[slot];
+  if (entry.address != address || !SameMap(entry.spec, spec)) {
+    entry.address = nullptr;  // invalid until encoded (the encoding may throw)
+    EncodeTensorMap(spec, address, &entry.map);
+    entry.spec = spec, entry.address = address;
+  }
+  return entry.map;
+}
+
 void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
                     const FusedParams& params) const {
   if (!entry.tensor_maps.empty()) {
-    // Maps hold the buffers' addresses: encoded for each launch (a host computation).
+    // Maps hold the buffers' addresses: encoded for the buffers of this launch.
     TmaParams args{};
-    EncodeTensorMap(entry.tensor_maps[0], params.x, &args.x);
-    EncodeTensorMap(entry.tensor_maps[1], params.w, &args.w);
+    args.x = CachedTensorMap(entry.tensor_maps[0], params.x);
+    args.w = CachedTensorMap(entry.tensor_maps[1], params.w);
     args.p = params;
     LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &args);
     return;

@@ -65,6 +65,8 @@ class Driver {
               const FusedParams& params) const;
   // Encodes `spec` for the buffer at `address` (CUDA; throws where the driver cannot).
   void EncodeTensorMap(const TensorMapSpec& spec, const void* address, TensorMap* map) const;
+  // The same, remembered per thread for the last buffers seen (see runtime.cc).
+  const TensorMap& CachedTensorMap(const TensorMapSpec& spec, const void* address) const;
   // Launches `function` on `stream` with one parameter passed by value: the kernel's parameter
   // block, read from `params` (as many bytes as the kernel declares).
   void LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
