@@ -17,12 +17,9 @@ import os
 import tempfile
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxfuse import fuse, fusion_report
-from jaxfuse.bench.end_to_end import MODELS, forward_seconds
-from jaxfuse.bench.models import random_variables
+from jaxfuse.bench.end_to_end import MODELS, forward_seconds, model_inputs
 
 
 def trace_summary(fn, args, calls: int) -> dict:
@@ -67,10 +64,8 @@ def main() -> None:
     opts = parser.parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
     print(f"== {opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
-    model = MODELS[opts.model](dtype=jnp.dtype(opts.dtype))
-    x = np.random.default_rng(0).standard_normal((opts.batch, 224, 224, 3)).astype(opts.dtype)
-    variables = jax.device_put(random_variables(model, jnp.asarray(x[:1])))
-    x = jax.device_put(x)
+    model, variables, x = model_inputs(opts.model, opts.dtype, opts.batch)
+    variables, x = jax.device_put((variables, x))
     programs = {"plain": jax.jit(model.apply),
                 opts.solver: jax.jit(fuse(model.apply, solver=opts.solver))}
     report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)

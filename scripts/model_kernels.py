@@ -17,12 +17,9 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from jaxfuse import fuse
-from jaxfuse.bench.end_to_end import MODELS
-from jaxfuse.bench.models import random_variables
+from jaxfuse.bench.end_to_end import MODELS, model_inputs
 from jaxfuse.bench.timing import device_time_per_op
 
 
@@ -50,10 +47,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/kernels"))
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
-    model = MODELS[opts.model](dtype=jnp.dtype(opts.dtype))
-    x = np.random.default_rng(0).standard_normal((opts.batch, 224, 224, 3)).astype(opts.dtype)
-    variables = jax.device_put(random_variables(model, jnp.asarray(x[:1])))
-    x = jax.device_put(x)
+    model, variables, x = model_inputs(opts.model, opts.dtype, opts.batch)
+    variables, x = jax.device_put((variables, x))
     programs = {"plain": jax.jit(model.apply),
                 opts.solver: jax.jit(fuse(model.apply, solver=opts.solver))}
     times: dict[str, dict[str, float]] = {}

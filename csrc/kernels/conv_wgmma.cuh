@@ -92,16 +92,10 @@ JF_DEVICE void load_stage(const Io::type* x, const Io::type* w, u32 stage,
   load_b(w, stage + kATileBytes, kt, group, n0, tid);
 }
 
-// Four k16 steps over one stage: this warpgroup's 64 rows of A times all kBN columns of B.
+// One stage: this warpgroup's 64 rows of A times all kBN columns of B.
 JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
-  const u32 a = stage + warpgroup * 64 * 128, b = stage + kATileBytes;
-#pragma unroll
-  for (int j = 0; j < kBK / 16; ++j) {
-    const u64 da = wgmma::descriptor(a + 32 * j, 16, 1024);
-    const u64 db = kFiltersKMajor ? wgmma::descriptor(b + 32 * j, 16, 1024)
-                                  : wgmma::descriptor(b + 2048 * j, kNBlockBytes, 1024);
-    wgmma::mma_64xNx16(acc, da, db);
-  }
+  wgmma::multiply_k_tile<kFiltersKMajor>(acc, stage + warpgroup * 64 * 128, stage + kATileBytes,
+                                         kNBlockBytes);
 }
 
 }  // namespace hopper

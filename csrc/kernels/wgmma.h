@@ -64,6 +64,21 @@ JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
   return v;
 }
 
+// One 64-deep k-tile of a warpgroup's multiply, as four k16 steps: 64 rows of A (K-major,
+// 128-byte swizzled rows at `a`) times the N columns of B at `b`, stored K-major (rows of 64
+// K values) or MN-major (64-wide blocks of N, `n_block_bytes` apart). mma_64xNx16 is generated
+// for each kernel's N (codegen.cc: WgmmaFunction).
+template <bool kBKMajor, int kRegs>
+JF_DEVICE void multiply_k_tile(float (&acc)[kRegs], u32 a, u32 b, u32 n_block_bytes) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u64 da = descriptor(a + 32 * j, 16, 1024);
+    const u64 db = kBKMajor ? descriptor(b + 32 * j, 16, 1024)
+                            : descriptor(b + 2048 * j, n_block_bytes, 1024);
+    mma_64xNx16(acc, da, db);
+  }
+}
+
 }  // namespace wgmma
 }  // namespace jaxfuse
 

@@ -71,15 +71,21 @@ def collectives(program: Any, *args: Any) -> int:
     return sum(text.count(f" {name}(") + text.count(f" {name}-start(") for name in COLLECTIVES)
 
 
+def model_inputs(model_name: str, dtype: str, batch: int,
+                 size: int = 224) -> tuple[Any, Any, np.ndarray]:
+    """A model of :data:`MODELS`, its random variables and a random NHWC input batch (host
+    arrays: place them where they should run)."""
+    model = MODELS[model_name](dtype=jnp.dtype(dtype))
+    x = np.random.default_rng(0).standard_normal((batch, size, size, 3)).astype(dtype)
+    return model, random_variables(model, jnp.asarray(x[:1])), x
+
+
 def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
         modes: tuple[str, ...] = ("auto", "fused"), devices: int = 1) -> dict[str, Any]:
     """One model, batch and dtype: plain ``jax.jit`` against ``jax.jit(fuse(apply))`` in each
     solver mode of `modes` ("auto": what users get; "fused": jaxfuse's kernels forced). With
     `devices` > 1 the batch is sharded over that many devices of `device`'s platform."""
-    model = MODELS[model_name](dtype=jnp.dtype(dtype))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, size, size, 3)).astype(dtype)
-    variables = random_variables(model, jnp.asarray(x[:1]))
+    model, variables, x = model_inputs(model_name, dtype, batch, size)
     placed = jax.devices(device.platform)[:devices] if devices > 1 else [device]
     if len(placed) < devices:
         raise ValueError(f"--devices {devices}: only {len(placed)} {device.platform} devices")
