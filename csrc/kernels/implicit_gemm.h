@@ -181,11 +181,13 @@ template <int kChunks, int kStep>
 JF_DEVICE void gather_planes(const Io::type* x, const PixelRow& row, u32 taps, int kk0,
                              i64 channel0, int col0, Io::type (&v)[kChunks * kVec]) {
   if constexpr (kFlatCRS) {
-    const int chunk = kk0 / kVec + col0;
-    const int period = chunk / static_cast<int>(kTaps);
-    const Io::type* base = x + row.image + (channel0 + i64(period) * kVec) * kPlane +
-                           i64(row.ih0) * W + row.iw0;
-    gather_flat_phase<kChunks, kStep>(chunk - period * static_cast<int>(kTaps), base, taps, v);
+    if constexpr (kTaps <= 32) {  // (more: the kernels never gather their rows this way)
+      const int chunk = kk0 / kVec + col0;
+      const int period = chunk / static_cast<int>(kTaps);
+      const Io::type* base = x + row.image + (channel0 + i64(period) * kVec) * kPlane +
+                             i64(row.ih0) * W + row.iw0;
+      gather_flat_phase<kChunks, kStep>(chunk - period * static_cast<int>(kTaps), base, taps, v);
+    }
   } else {
     const int tap = kk0 / static_cast<int>(CG);
     const i64 c = channel0 + kk0 % CG + col0 * kVec;
