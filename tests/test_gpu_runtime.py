@@ -76,12 +76,18 @@ _VARIANTS_CHILD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from cases import Case, run_case
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
+    NCHW = dict(layout="NCHW", filter_layout="OIHW")
     for case in [Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NHWC),
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NHWC),
                  Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
                       dtype="float16", layout="NHWC", filter_layout="OHWI"),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
-                      padding="SAME", dtype="float16", **NHWC)]:
+                      padding="SAME", dtype="float16", **NHWC),
+                 # NCHW: gathered A, plane-by-plane epilogue (split-K included), B gathered
+                 Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NCHW),
+                 Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NCHW),
+                 Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
+                      padding="SAME", dtype="float16", **NCHW)]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)

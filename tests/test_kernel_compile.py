@@ -21,6 +21,31 @@ if not compiler_available("CUDA"):
 
 ARCHS = ["sm_80", "sm_90"]
 
+
+def expected_solver(case: Case, arch: str, tf32: bool = True) -> str:
+    """The solver csrc/gpu/codegen.cc picks for `case` on a CUDA device of `arch` (TF32
+    kernels on, as by default)."""
+    if "C" not in case.ops:
+        return "pointwise"
+    cg, kg, taps = case.c // case.groups, case.k // case.groups, case.r * case.s
+    fl = case.filter_layout
+    if case.layout == "NHWC":
+        filter_ok = fl in ("HWIO", "OHWI") or taps == 1
+        channels_ok = cg % 16 == 0 or fl == "HWIO"
+    else:  # NCHW: A gathered; OIHW of several taps reduces over (c, r, s), a 32-bit tap mask
+        filter_ok = fl in ("HWIO", "OHWI") or taps == 1 or taps <= 32 or cg % 16 != 0
+        channels_ok = True
+    dtype_ok = case.dtype != "float32" or (tf32 and case.precision != "highest" and
+                                           cg % 16 == 0 and kg % 4 == 0)
+    if dtype_ok and filter_ok and channels_ok and kg % 8 == 0:
+        if case.dtype != "float32" and cg % 64 == 0 and arch == "sm_90":
+            return "conv_wgmma"
+        return "conv_igemm"
+    if case.groups == case.c == case.k and case.layout == "NHWC" and fl == "HWIO":
+        return "conv_depthwise"
+    return "conv_direct"
+
+
 VARIANTS = (
     # Every dtype x layout, full chains with and without a convolution.
     [Case(ops=ops, dtype=dt, layout=layout, filter_layout=fl)
@@ -43,6 +68,18 @@ VARIANTS = (
        for dt in ("float16", "bfloat16") for fl in ("HWIO", "OHWI")
        for c, k, n, hw in ((16, 24, 1, 9), (64, 64, 8, 28), (64, 256, 64, 28), (128, 128, 2, 14),
                            (256, 512, 16, 14), (64, 192, 64, 14))]
+    # ... and NCHW (A gathered through registers; OIHW reduces over (c, r, s)): every filter
+    # layout, 1x1 and 3x3, 7x7 outputs, few channels (the stem), strides, dilation, groups.
+    + [Case(ops="CBNSA", dtype=dt, layout="NCHW", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+            r=r, s=r, padding=((r // 2, r // 2),) * 2)
+       for dt in ("float16", "bfloat16") for fl in ("OIHW", "HWIO", "OHWI")
+       for c, k, n, hw, r in ((16, 24, 1, 9, 3), (64, 64, 8, 28, 3), (64, 256, 4, 28, 1),
+                              (512, 512, 2, 7, 3), (32, 48, 2, 9, 5))]
+    + [Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout=fl, c=3, k=64, n=2, h=23,
+            w=21, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3))) for fl in ("OIHW", "HWIO")]
+    + [Case(ops="CNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", c=128, k=64,
+            groups=2, h=15, w=13, strides=(2, 1), dilation=(1, 2), padding="SAME",
+            bn_mode="per_activation")]
     # Depthwise, every dtype; pointwise with too many channels for the shared-memory table.
     + [Case(ops="CBNA", dtype=dt, layout="NHWC", filter_layout="HWIO", groups=32, c=32, k=32)
        for dt in ("float32", "float16", "bfloat16")]
@@ -57,17 +94,7 @@ def test_kernel_compiles(case: Case, arch: str) -> None:
     out = extension().gpu_compile_only("CUDA", signature.encode(), arch)
     assert out["binary_bytes"] > 0
     assert out["entries"], "no entry points"
-    if "C" not in case.ops:
-        assert out["solver"] == "pointwise"
-    elif case.groups == case.c == case.k and case.layout == "NHWC":
-        assert out["solver"] == "conv_depthwise"
-    elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 64 == 0 and \
-            arch == "sm_90":
-        assert out["solver"] == "conv_wgmma"
-    elif case.layout == "NHWC" and case.dtype != "float32" and case.c % 16 == 0:
-        assert out["solver"] == "conv_igemm"
-    else:
-        assert out["solver"] == "conv_direct"
+    assert out["solver"] == expected_solver(case, arch)
 
 
 def test_compile_error_carries_the_log() -> None:
@@ -86,9 +113,11 @@ def test_convert_kernel_compiles(arch: str) -> None:
 
 
 # Every tile variant autotuning may pick must compile too (sm_90: wgmma tiles; sm_80: mma.sync).
-TILED = [Case(ops="CBNSA", dtype="float16", layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw,
-              w=hw) for fl, c, k, n, hw in (("HWIO", 64, 256, 64, 28), ("OHWI", 512, 512, 1, 7),
-                                            ("HWIO", 3, 64, 8, 56), ("HWIO", 32, 48, 2, 9))]
+TILED = [Case(ops="CBNSA", dtype="float16", layout=layout, filter_layout=fl, c=c, k=k, n=n, h=hw,
+              w=hw) for layout, fl, c, k, n, hw in (
+                  ("NHWC", "HWIO", 64, 256, 64, 28), ("NHWC", "OHWI", 512, 512, 1, 7),
+                  ("NHWC", "HWIO", 3, 64, 8, 56), ("NHWC", "HWIO", 32, 48, 2, 9),
+                  ("NCHW", "OIHW", 512, 512, 1, 7), ("NCHW", "OIHW", 3, 64, 8, 56))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -115,9 +144,16 @@ def _suite_cases() -> list[Case]:
     cases = []
     for suite in ("resnet50", "mobilenetv2", "mobilenet"):
         for layer in SUITES[suite]:
-            for dtype, n in (("bfloat16", 1), ("bfloat16", 64), ("float16", 8)):
+            # NHWC with HWIO filters; NCHW with OIHW (as the benchmarks run them) for ResNet-50,
+            # fp16 and bf16 (and fp32 through TF32: test_fp32_plans_compile_on_the_tf32_kernel).
+            runs = [("NHWC", "HWIO", dtype, n)
+                    for dtype, n in (("bfloat16", 1), ("bfloat16", 64), ("float16", 8))]
+            if suite == "resnet50":
+                runs += [("NCHW", "OIHW", dtype, n) for dtype in ("float16", "bfloat16")
+                         for n in (1, 64)]
+            for layout, fl, dtype, n in runs:
                 ops = "CBNA" if layer.activation else "CBN"
-                cases.append(Case(ops=ops, dtype=dtype, layout="NHWC", filter_layout="HWIO",
+                cases.append(Case(ops=ops, dtype=dtype, layout=layout, filter_layout=fl,
                                   n=n, c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r,
                                   s=layer.r, strides=(layer.stride,) * 2,
                                   padding=((layer.pad, layer.pad),) * 2, groups=layer.groups,
@@ -129,7 +165,9 @@ def _suite_cases() -> list[Case]:
 @pytest.mark.parametrize("case", _suite_cases(), ids=str)
 def test_every_variant_of_real_layers_compiles(case: Case, arch: str) -> None:
     encoded = case.build()[0].signature.encode()
-    count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+    out = extension().gpu_compile_only("CUDA", encoded, arch)
+    assert out["solver"] == expected_solver(case, arch)
+    count = out["variants"]
     for variant in range(1, count):  # variant 0 compiled just above
         assert extension().gpu_compile_only("CUDA", encoded, arch,
                                             variant=variant)["binary_bytes"] > 0
@@ -159,15 +197,27 @@ def test_convert_kernel_compiles_for_amd(arch: str) -> None:
     assert extension().gpu_compile_convert("ROCM", arch)["binary_bytes"] > 0
 
 
+def _resnet50() -> list:
+    from jaxfuse.bench.layers import SUITES
+
+    return SUITES["resnet50"]
+
+
 # fp32 through TF32 on the implicit-GEMM kernel (JAXFUSE_TF32_KERNELS=0 turns it off): every
 # filter layout it reads, each tile, strides, dilation, groups.
-TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout="NHWC", filter_layout=fl, c=c, k=k,
+TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout=layout, filter_layout=fl, c=c, k=k,
                    n=n, h=hw, w=hw, strides=st, dilation=dl, groups=gr)
-              for fl in ("HWIO", "OHWI")
+              for layout, fl in (("NHWC", "HWIO"), ("NHWC", "OHWI"), ("NCHW", "OIHW"),
+                                 ("NCHW", "HWIO"))
               for c, k, n, hw, st, dl, gr in ((16, 24, 1, 9, (1, 1), (1, 1), 1),
                                               (64, 64, 8, 28, (2, 2), (1, 1), 1),
                                               (64, 256, 64, 28, (1, 1), (2, 2), 1),
                                               (128, 128, 2, 14, (1, 2), (1, 1), 2))]
+# ResNet-50's layers in NCHW with OIHW filters, batch 1 and 64, through TF32.
+TF32_CASES += [Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", n=n,
+                    c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                    strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2)
+               for layer in _resnet50() for n in (1, 64) if layer.c % 16 == 0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

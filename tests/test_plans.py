@@ -79,6 +79,37 @@ TENSOR_CORE_CASES = [
 ]
 
 
+# ... and NCHW, whose tensor-core kernels gather A through registers (kk = (c, r, s) for OIHW
+# filters of several taps) and store the output plane by plane: outputs whose P*Q is not a
+# multiple of 8 (7x7 among them), strides, padding, dilation, groups, side input,
+# per-activation batch norm, every filter layout, on each solver (wgmma where the input
+# channels per group are a multiple of 64 on sm_90; mma.sync for 16/32 channels; the gathered
+# reduction for 3 and 5, with B gathered too where the filters are OIHW or OHWI).
+NCHW = {"layout": "NCHW", "filter_layout": "OIHW"}
+NCHW_TENSOR_CORE_CASES = [
+    Case(c=64, k=64, n=2, h=9, w=11, **NCHW),                           # P*Q = 99
+    Case(c=128, k=192, n=3, h=7, w=7, ops="CBNSA", **NCHW),             # 7x7, side input
+    Case(c=512, k=64, n=1, h=7, w=7, **NCHW),                           # long reduction, 49 rows
+    Case(c=64, k=128, n=2, h=15, w=15, strides=(2, 2), padding="SAME", layout="NCHW",
+         filter_layout="HWIO"),                                         # stride 2, 8x8 outputs
+    Case(c=64, k=64, n=4, h=14, w=13, r=1, s=1, padding="VALID", **NCHW),  # OIHW 1x1
+    Case(c=128, k=64, groups=2, dilation=(2, 3), padding="SAME", h=12, w=13, layout="NCHW",
+         filter_layout="OHWI"),                                         # groups, dilation
+    Case(c=64, k=64, ops="CNA", bn_mode="per_activation", h=6, w=7, **NCHW),
+    Case(c=64, k=64, ops="CBNSA", bn_mode="per_activation", strides=(2, 1), h=11, w=10,
+         padding=((0, 2), (1, 0)), layout="NCHW", filter_layout="HWIO"),
+    Case(c=32, k=24, h=9, w=11, **NCHW),                                # partial M and N tiles
+    Case(c=16, k=40, r=1, s=1, padding="VALID", layout="NCHW", filter_layout="OHWI"),
+    Case(c=32, k=32, r=5, s=3, strides=(2, 1), padding=((2, 1), (0, 3)), h=13, w=10, **NCHW),
+    Case(c=48, k=16, dilation=(2, 3), padding="SAME", h=12, w=14, layout="NCHW",
+         filter_layout="HWIO"),
+    Case(c=3, k=64, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), h=23, w=21, **NCHW),
+    Case(c=3, k=64, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)), h=23, w=21,
+         layout="NCHW", filter_layout="HWIO"),
+    Case(c=5, k=24, n=3, h=10, w=9, ops="CBNSA", layout="NCHW", filter_layout="OHWI"),
+]
+
+
 @pytest.mark.parametrize("case", TENSOR_CORE_CASES, ids=str)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tensor_core_shapes(case: Case, dtype: str, device) -> None:
@@ -87,6 +118,18 @@ def test_tensor_core_shapes(case: Case, dtype: str, device) -> None:
     if device.platform == "gpu":
         plan = case.build()[0].compile(device)
         assert plan.solver in ("conv_igemm", "conv_wgmma"), plan.solver
+
+
+@pytest.mark.parametrize("case", NCHW_TENSOR_CORE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tensor_core_shapes_nchw(case: Case, dtype: str, device) -> None:
+    case = dataclasses.replace(case, dtype=dtype)
+    run_case(case, device)
+    if device.platform == "gpu":
+        plan = case.build()[0].compile(device)
+        hopper = str(getattr(device, "compute_capability", "")) == "9.0"
+        wgmma = hopper and (case.c // case.groups) % 64 == 0
+        assert plan.solver == ("conv_wgmma" if wgmma else "conv_igemm"), plan.kernel_info
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -175,6 +218,13 @@ def test_functional_matches_plan(device) -> None:
         ("CNA", "HWIO", 64, 256, 16, 14, (1, 1), (2, 2), 1, ((2, 2), (2, 2)), "elu"),
         ("CBA", "HWIO", 128, 128, 2, 14, (1, 2), (1, 1), 2, "VALID", "leaky_relu"),
         ("CBNSA", "OHWI", 256, 96, 4, 7, (1, 1), (1, 1), 1, ((0, 1), (1, 0)), "tanh"))
+] + [
+    Case(ops=ops, dtype="float32", layout="NCHW", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+         r=r, s=r, strides=st, groups=gr, padding=pad, bn_mode=bn)
+    for ops, fl, c, k, n, hw, r, st, gr, pad, bn in (
+        ("CBNSA", "OIHW", 64, 64, 2, 9, 3, (1, 1), 1, ((1, 1), (1, 1)), "spatial"),
+        ("CBNA", "OIHW", 32, 48, 3, 7, 1, (1, 1), 1, "VALID", "per_activation"),
+        ("CNA", "HWIO", 64, 128, 2, 15, 3, (2, 2), 2, "SAME", "spatial"))
 ], ids=str)
 def test_fp32_through_tf32_matches_the_reference(case, monkeypatch) -> None:
     """The TF32 tensor-core kernel (on unless JAXFUSE_TF32_KERNELS=0) against float64, within fp32's

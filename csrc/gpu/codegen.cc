@@ -181,18 +181,44 @@ int ArchNumber(const std::string& arch) {
 bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
+  const bool nhwc = spec.layout == Layout::kNHWC;
+  // NHWC: B's rows must be runs of the filters in the order A's rows are (OIHW only as 1x1).
+  // NCHW: A is gathered value by value, in whichever order B's rows are stored (kk = (c, r, s)
+  // for OIHW filters of several taps, each pixel's taps then a 32-bit mask).
+  const bool one_tap = g.r == 1 && g.s == 1;
+  const bool oihw_ok = one_tap || (!nhwc && (g.r * g.s <= 32 || cg % 16 != 0));
   const bool filter_ok = g.filter_layout == FilterLayout::kHWIO ||
                          g.filter_layout == FilterLayout::kOHWI ||
-                         (g.filter_layout == FilterLayout::kOIHW && g.r == 1 && g.s == 1);
-  // Channel counts that are not whole 16-wide k-steps are gathered (HWIO filters only).
-  const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO;
+                         (g.filter_layout == FilterLayout::kOIHW && oihw_ok);
+  // Channel counts that are not whole 16-wide k-steps are gathered (HWIO filters; NCHW: any, B
+  // gathered too when its rows are not 16-byte runs).
+  const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO || !nhwc;
+  // NCHW: offsets within a k-tile's channel planes are ints.
+  const bool planes_ok = nhwc || spec.h * spec.w < (int64_t{1} << 26);
   // fp32: TF32 where the plan's precision allows it, whole 16-wide k-steps, 16-byte rows.
   const bool dtype_ok = spec.dtype != DType::kF32 ||
                         (Tf32KernelsEnabled() && g.allow_tf32 && cg % 16 == 0 && kg % 4 == 0);
-  return !device.hip && ArchNumber(device.arch) >= 80 && dtype_ok &&
-         spec.layout == Layout::kNHWC && filter_ok && channels_ok && kg % 8 == 0 &&
+  return !device.hip && ArchNumber(device.arch) >= 80 && dtype_ok && planes_ok &&
+         filter_ok && channels_ok && kg % 8 == 0 &&
          g.r * g.s * cg < (int64_t{1} << 31) &&  // the k loop indexes the reduction with int
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
+}
+
+// Few channels and K-major filters (NCHW only): B's rows are not 16-byte runs, and B is gathered
+// through registers like A (conv_igemm.cuh: kGatherB).
+bool GathersB(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  return (spec.c / g.groups) % 16 != 0 && g.filter_layout != FilterLayout::kHWIO;
+}
+
+// CTAs per multiprocessor for the 128x64 tile: TF32 plans gathering NCHW data over (c, r, s)
+// (OIHW filters of several taps) hold more registers than two 256-thread CTAs leave (ptxas
+// spilled), so one.
+int Igemm128x64Blocks(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  const bool flat = spec.layout == Layout::kNCHW && g.filter_layout == FilterLayout::kOIHW &&
+                    g.r * g.s > 1;
+  return spec.dtype == DType::kF32 && flat ? 1 : 2;
 }
 
 // The heuristic's tile first, then alternatives worth timing (distinct, fitting the device).
@@ -208,12 +234,14 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
     return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
   };
   if (cg % 16 != 0) {  // gathered A: two stages, tiles sized for occupancy
-    return ctas(128, 64) >= sms ? IgemmTile{128, 64, 32, 4, 2, 2, 2}
+    // (B gathered too, with K-major filters: more registers than two 256-thread CTAs hold.)
+    const int wide_blocks = GathersB(spec) ? 1 : 2;
+    return ctas(128, 64) >= sms ? IgemmTile{128, 64, 32, 4, 2, 2, wide_blocks}
                                 : IgemmTile{64, 64, 32, 2, 2, 2, 3};
   }
   // Largest tile that still gives every multiprocessor work.
   if (kg >= 128 && ctas(128, 128) >= sms) return {128, 128, bk, 2, 4, 4, 1};
-  if (ctas(128, 64) >= sms) return {128, 64, bk, 4, 2, 4, 2};
+  if (ctas(128, 64) >= sms) return {128, 64, bk, 4, 2, 4, Igemm128x64Blocks(spec)};
   return {64, 64, bk, 2, 2, 4, 2};
 }
 
@@ -340,7 +368,8 @@ std::pair<int64_t, int64_t> CornerBox(int64_t in, int64_t out, int64_t stride, i
 }
 
 bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
-  if (!WgmmaApplies(spec, device)) return false;
+  // The im2col map walks NHWC pixels (channels innermost).
+  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC) return false;
   const ConvGeometry& g = spec.conv;
   const bool k_major = g.filter_layout != FilterLayout::kHWIO;
   if (k_major && g.filter_layout == FilterLayout::kOIHW && (g.r != 1 || g.s != 1)) return false;
@@ -456,9 +485,10 @@ std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& d
   std::vector<IgemmTile> all = {ChooseIgemmTile(spec, device)};
   all[0].elem = elem;
   std::vector<IgemmTile> extras =
-      cg % 16 != 0 ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, 2}, {64, 64, 32, 2, 2, 2, 3}}
+      cg % 16 != 0 ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, GathersB(spec) ? 1 : 2},
+                                            {64, 64, 32, 2, 2, 2, 3}}
                    : std::vector<IgemmTile>{{128, 128, bk, 2, 4, 4, 1},
-                                            {128, 64, bk, 4, 2, 4, 2},
+                                            {128, 64, bk, 4, 2, 4, Igemm128x64Blocks(spec)},
                                             {64, 64, bk, 2, 2, 4, 3}};
   for (IgemmTile& t : extras) t.elem = elem;
   for (const IgemmTile& t : extras) {

@@ -1,5 +1,5 @@
 // Implicit-GEMM convolution on tensor cores with warp-level mma.sync (sm_80 and newer):
-// fp16/bf16 NHWC activations (16x8x16 multiplies), or fp32 ones through TF32 (16x8x8
+// fp16/bf16 NHWC or NCHW activations (16x8x16 multiplies), or fp32 ones through TF32 (16x8x8
 // multiplies, operands rounded to TF32 as they leave shared memory, as lax's default precision
 // allows on GPUs), fp32 accumulation. (On sm_90 the code generator prefers conv_wgmma.cuh for
 // 16-bit plans; this kernel serves Ampere, fp32, and the shapes wgmma's tiles do not fit.)
@@ -13,7 +13,13 @@
 // Few input channels (the 3-channel stem): the reduction index kk = (r, s, c) is flattened and
 // zero-padded to whole k-tiles, and A is gathered element by element through registers (a
 // tap's 3 channels are not a 16-byte run), prefetched one k-tile ahead; B (HWIO, whose rows
-// are exactly kk) still streams in with cp.async.
+// are exactly kk) still streams in with cp.async. With K-major filters (NCHW plans with OIHW or
+// OHWI filters) B's rows are runs of the filters that need not start on 16 bytes, and B is
+// gathered the same way.
+//
+// NCHW (implicit_gemm.h: gather_planes): A's rows are gathered value by value into registers,
+// the loads for k-tile kt + kStages - 1 issued before k-tile kt's multiply and stored to shared
+// memory at the next iteration; B streams in with cp.async. The epilogue stores channel planes.
 //
 // Tile sizes come from the code generator (namespace plan: kBM, kBN, kBK, kWarpsM, kWarpsN,
 // kStages, kMinBlocks, kSmemBytes); it also checks KG % 8 == 0 (and HWIO filters when
@@ -39,6 +45,8 @@ constexpr int kThreads = kWarpsM * kWarpsN * kWarpSize;
 constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;  // one warp's tile
 constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
 constexpr bool kGatherA = CG % kBK != 0;  // few channels: flattened, gathered reduction
+constexpr bool kGatherB = kGatherA && kFiltersKMajor;  // ... whose filter rows are not aligned
+constexpr bool kPlanesA = !kNHWC && !kGatherA;        // NCHW: rows gathered by gather_planes
 constexpr i64 kReduction = kTaps * CG;
 constexpr int kKTiles = static_cast<int>((kReduction + kBK - 1) / kBK);
 
@@ -63,29 +71,90 @@ constexpr int kBChunks = (kBChunkCount + kThreads - 1) / kThreads;
 // Gathered A: each thread fills kGatherRun consecutive kk of one row.
 constexpr int kGatherThreadsPerRow = kThreads / kBM;
 constexpr int kGatherRun = kBK / (kGatherThreadsPerRow > 0 ? kGatherThreadsPerRow : 1);
+// NCHW: a thread's pixel is row tid % kBM, its chunks the columns tid / kBM + i * kColStep.
+constexpr int kColStep = kThreads / kBM;
+constexpr int kPlaneChunks = kAChunksPerRow / (kColStep > 0 ? kColStep : 1);
+// Gathered B: each thread fills kBGatherChunks 16-byte chunks of B's [k][kk] tile.
+constexpr int kBGatherChunks = kBChunks;
 
 static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
 static_assert(kBK % 16 == 0, "whole mma k-steps");
-static_assert(!kGatherA || (!kFiltersKMajor && kStages == 2), "gathered A: HWIO, two stages");
+static_assert(!kGatherA || kStages == 2, "gathered A: two stages");
+static_assert(!kGatherB || (!kNHWC && kBChunkCount % kThreads == 0), "gathered B: NCHW plans");
+static_assert(!kPlanesA || (kThreads % kBM == 0 && kPlaneChunks * kColStep == kAChunksPerRow),
+              "NCHW: a thread's chunks cover its columns");
+static_assert(!kPlanesA || !kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per tap");
 static_assert(!kGatherA || (kThreads % kBM == 0 && kGatherRun % 8 == 0), "one row per thread");
 static_assert(!kGatherA || !kTf32, "gathered A: 16-bit values");
 static_assert(KG % kChunk == 0 && (kGatherA || C % kChunk == 0), "16-byte rows");
 static_assert(kStages * kStage * static_cast<int>(sizeof(Elem)) <= kSmemBytes &&
               kBM * kCPitch * 4 <= kSmemBytes, "shared memory budget");
 
-// Gathered A: this thread's kGatherRun consecutive kk of its row, into registers.
+// Gathered A: this thread's kGatherRun consecutive kk of its row, into registers. (NCHW: the
+// value's channel plane; kk = (c, r, s) for OIHW filters: kFlatCRS.)
 JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, int kt, i64 channel0, int tid,
                         u16 (&values)[kGatherRun]) {
   const i64 kk0 = i64(kt) * kBK + (tid % kGatherThreadsPerRow) * kGatherRun;
 #pragma unroll
   for (int j = 0; j < kGatherRun; ++j) {
     const i64 kk = kk0 + j;
-    const int tap = static_cast<int>(kk / CG);
-    const Io::type* src = kk < kReduction
-        ? a_source(x, row, tap / static_cast<int>(S), tap % static_cast<int>(S),
-                   channel0 + kk % CG)
-        : nullptr;
-    values[j] = src ? *src : u16(0);
+    if (kNHWC) {
+      const int tap = static_cast<int>(kk / CG);
+      const Io::type* src = kk < kReduction
+          ? a_source(x, row, tap / static_cast<int>(S), tap % static_cast<int>(S),
+                     channel0 + kk % CG)
+          : nullptr;
+      values[j] = src ? *src : u16(0);
+    } else {
+      const int tap = static_cast<int>(kFlatCRS ? kk % kTaps : kk / CG);
+      const i64 c = kFlatCRS ? kk / kTaps : kk % CG;
+      const int ih = row.ih0 + tap / static_cast<int>(S) * static_cast<int>(DH);
+      const int iw = row.iw0 + tap % static_cast<int>(S) * static_cast<int>(DW);
+      const bool inside = kk < kReduction && row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
+      values[j] = inside ? x[row.image + (channel0 + c) * kPlane + i64(ih) * W + iw] : u16(0);
+    }
+  }
+}
+
+// Gathered B (K-major filters): this thread's chunks of k-tile kt's [k][kk] slice.
+JF_DEVICE void gather_b(const Io::type* w, int kt, i64 group, int n0, int tid,
+                        u16 (&values)[kBGatherChunks * 8]) {
+#pragma unroll
+  for (int i = 0; i < kBGatherChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    const int k = n0 + chunk / (kBK / 8);
+    const i64 kk0 = i64(kt) * kBK + chunk % (kBK / 8) * 8;
+    const u16* row = reinterpret_cast<const u16*>(w + b_offset(group, 0, 0, k));
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      values[i * 8 + e] = k < KG && kk0 + e < kReduction ? row[kk0 + e] : u16(0);
+    }
+  }
+}
+
+JF_DEVICE void store_gathered_b(u16* sb, int tid, const u16 (&values)[kBGatherChunks * 8]) {
+#pragma unroll
+  for (int i = 0; i < kBGatherChunks; ++i) {
+    const int chunk = tid + i * kThreads;
+    Vec16 packed;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) reinterpret_cast<u16*>(&packed)[e] = values[i * 8 + e];
+    *reinterpret_cast<Vec16*>(sb + chunk / (kBK / 8) * kBPitch + chunk % (kBK / 8) * 8) = packed;
+  }
+}
+
+// NCHW: A's chunks of k-tile kt into registers, and from registers into stage `sa`.
+JF_DEVICE void gather_a_planes(const Io::type* x, const PixelRow& row, u32 taps, int kt,
+                               i64 channel0, int tid, Elem (&v)[kPlaneChunks * kChunk]) {
+  gather_planes<kPlaneChunks, kColStep>(x, row, taps, kt * kBK, channel0, tid / kBM, v);
+}
+
+JF_DEVICE void store_a_planes(Elem* sa, int tid, const Elem (&v)[kPlaneChunks * kChunk]) {
+  const int row = tid % kBM;
+#pragma unroll
+  for (int i = 0; i < kPlaneChunks; ++i) {
+    const int col = (tid / kBM + i * kColStep) * kChunk;
+    *reinterpret_cast<Vec16*>(sa + row * kAPitch + col) = pack_chunk(v + i * kChunk);
   }
 }
 
@@ -244,6 +313,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
   PixelRow rows[kGatherA ? 1 : kAChunks];
   if (kGatherA) {
     rows[0] = pixel_row(m0 + tid / kGatherThreadsPerRow);
+  } else if (kPlanesA) {
+    rows[0] = pixel_row(m0 + tid % kBM);
   } else {
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / kAChunksPerRow);
@@ -262,19 +333,61 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
   if (kGatherA) {
     // Two stages; the next k-tile's A is gathered into registers while this one multiplies.
     u16 values[kGatherRun];
+    u16 b_values[kBGatherChunks * 8];  // kGatherB only
     gather_a(x, rows[0], 0, channel0, tid, values);
-    load_b(w, stages + kATile, 0, group, n0, tid);
+    if (kGatherB) {
+      gather_b(w, 0, group, n0, tid, b_values);
+    } else {
+      load_b(w, stages + kATile, 0, group, n0, tid);
+    }
     mma::commit_copies();
     for (int kt = 0; kt < kKTiles; ++kt) {
       Elem* stage = stages + (kt % 2) * kStage;
       store_gathered_a(reinterpret_cast<u16*>(stage), tid, values);
+      if (kGatherB) store_gathered_b(reinterpret_cast<u16*>(stage + kATile), tid, b_values);
       mma::wait_copies<0>();
       __syncthreads();  // stage kt complete; the other stage's last readers are done
       if (kt + 1 < kKTiles) {
         gather_a(x, rows[0], kt + 1, channel0, tid, values);
-        load_b(w, stages + ((kt + 1) % 2) * kStage + kATile, kt + 1, group, n0, tid);
+        if (kGatherB) {
+          gather_b(w, kt + 1, group, n0, tid, b_values);
+        } else {
+          load_b(w, stages + ((kt + 1) % 2) * kStage + kATile, kt + 1, group, n0, tid);
+        }
       }
       mma::commit_copies();
+      multiply(stage, stage + kATile, acc, warp_m, warp_n, lane);
+    }
+  } else if (kPlanesA) {
+    // NCHW: kStages - 1 k-tiles ahead as for NHWC, A's newest one still in registers.
+    const u32 taps = tap_mask(rows[0]);
+    Elem staged[kPlaneChunks * kChunk];
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < kKTiles) {
+        gather_a_planes(x, rows[0], taps, st, channel0, tid, staged);
+        store_a_planes(stages + st * kStage, tid, staged);
+        load_b(w, stages + st * kStage + kATile, st, group, n0, tid);
+      }
+      mma::commit_copies();
+    }
+    if (kStages - 1 < kKTiles) {
+      gather_a_planes(x, rows[0], taps, kStages - 1, channel0, tid, staged);
+    }
+    for (int kt = 0; kt < kKTiles; ++kt) {
+      mma::wait_copies<kStages - 2>();
+      __syncthreads();  // stage kt is visible to all; stage kt - 1 is free to refill
+      const int next = kt + kStages - 1;
+      if (next < kKTiles) {
+        Elem* stage = stages + (next % kStages) * kStage;
+        store_a_planes(stage, tid, staged);
+        load_b(w, stage + kATile, next, group, n0, tid);
+      }
+      mma::commit_copies();
+      if (next + 1 < kKTiles) {  // in flight while k-tile kt multiplies
+        gather_a_planes(x, rows[0], taps, next + 1, channel0, tid, staged);
+      }
+      const Elem* stage = stages + (kt % kStages) * kStage;
       multiply(stage, stage + kATile, acc, warp_m, warp_n, lane);
     }
   } else {
@@ -319,6 +432,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     }
   }
   __syncthreads();
-  store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
-                                          static_cast<Io::type*>(p.y));
+  if (kNHWC) {
+    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group,
+                                            static_cast<Io::type*>(p.y));
+  } else {  // rows kCPitch = 4 banks apart: a row per lane reads without conflicts as stored
+    store_tile_planes<kBM, kBN, kCPitch, kThreads, 0>(ep, tile, terms, m0, n0, group,
+                                                      static_cast<Io::type*>(p.y));
+  }
 }

@@ -1,11 +1,17 @@
-// Implicit-GEMM convolution on Hopper (sm_90a) with warpgroup MMA: fp16/bf16 NHWC activations,
-// fp32 accumulation. Each warpgroup (4 warps) owns 64 output pixels x kBN output channels.
+// Implicit-GEMM convolution on Hopper (sm_90a) with warpgroup MMA: fp16/bf16 NHWC or NCHW
+// activations, fp32 accumulation. Each warpgroup (4 warps) owns 64 output pixels x kBN output
+// channels.
 //
 // Per k-tile (one filter tap, 64 consecutive input channels) every thread copies its share of
 // A and B into a 128-byte-swizzled shared-memory stage with cp.async (zero-filling padding);
 // the warpgroups then issue four asynchronous 64 x kBN x 16 multiplies reading both operands
 // from shared memory through descriptors (wgmma.h), and the copies for a later k-tile overlap
 // them. The epilogue stages the fp32 tile through shared memory (implicit_gemm.h: store_tile).
+//
+// NCHW (implicit_gemm.h: gather_planes): A's rows are gathered value by value into registers,
+// the loads for k-tile kt + kStages - 1 issued before k-tile kt's multiply and written to their
+// stage (16-byte shared stores, same swizzle) at the next iteration; B still streams in with
+// cp.async. The epilogue reads the staging tile a pixel per thread and stores channel planes.
 //
 // Split-K (kSplits > 1, for outputs too small to occupy the device): the kSplits CTAs of a
 // thread-block cluster each reduce a slice of the k-tiles; their fp32 tiles are then summed
@@ -41,12 +47,18 @@ constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide 
 constexpr int kCPitch = kBN + 8;  // floats: the epilogue's staging tile (8: no conflicts)
 constexpr int kAChunks = kBM * 8 / kThreads;  // 16-byte chunks per thread per stage
 constexpr int kBChunks = kBN * 8 / kThreads;
+// NCHW: A gathered through registers; a thread's pixel is row tid % kBM, its chunks the columns
+// tid / kBM + i * kColStep.
+constexpr bool kGatherA = !kNHWC;
+constexpr int kColStep = kThreads / kBM;
 
 static_assert(kBM == 64 || kBM == 128, "one or two warpgroups");
 static_assert(kStages >= 3, "two k-tiles in the multiply, at least one loading");
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
+static_assert(kAChunks * kColStep == 8, "NCHW: a thread's chunks cover its columns");
+static_assert(!kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per filter tap");
 static_assert(kStages * kStageBytes + 1024 <= kSmemBytes &&
               kBM * kCPitch * 4 + 1024 <= kSmemBytes, "shared memory budget");
 
@@ -61,6 +73,21 @@ JF_DEVICE void load_a(const Io::type* x, u32 sa, const PixelRow (&rows)[kAChunks
     const int row = chunk / 8, col8 = chunk % 8;
     const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
     mma::copy16_async(sa + wgmma::swizzled_offset(row, col8 * 8), src ? src : x, src);
+  }
+}
+
+// NCHW: A's chunks of k-tile kt into registers, and from registers into stage `sa`.
+JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, u32 taps, int kt, i64 channel0,
+                        int tid, Io::type (&v)[kAChunks * 8]) {
+  gather_planes<kAChunks, kColStep>(x, row, taps, kt * kBK, channel0, tid / kBM, v);
+}
+
+JF_DEVICE void store_a(u32 sa, int tid, const Io::type (&v)[kAChunks * 8]) {
+  const int row = tid % kBM;
+#pragma unroll
+  for (int i = 0; i < kAChunks; ++i) {
+    const int col8 = tid / kBM + i * kColStep;
+    mma::store16_shared(sa + wgmma::swizzled_offset(row, col8 * 8), pack_chunk(v + i * 8));
   }
 }
 
@@ -122,7 +149,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   fill_terms<kBN, kThreads>(ep, terms, n0, group);
   PixelRow rows[kAChunks];
 #pragma unroll
-  for (int i = 0; i < kAChunks; ++i) rows[i] = pixel_row(m0 + (tid + i * kThreads) / 8);
+  for (int i = 0; i < kAChunks; ++i) {
+    rows[i] = pixel_row(m0 + (kGatherA ? tid % kBM : (tid + i * kThreads) / 8));
+  }
+  const u32 taps = tap_mask(rows[0]);
+  Io::type staged[kAChunks * 8];  // NCHW: A of the next k-tile to store
 
   // Swizzle atoms need 1024-byte alignment; the code generator reserved the slack.
   const u32 raw = mma::smem_addr(smem);
@@ -139,8 +170,19 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   constexpr int kAhead = kStages - 2;
 #pragma unroll
   for (int st = 0; st < kAhead; ++st) {
-    if (st < k_tiles) load_stage(x, w, stage(st), rows, kt_begin + st, group, n0, tid);
+    if (st < k_tiles) {
+      if (kGatherA) {
+        gather_a(x, rows[0], taps, kt_begin + st, group * CG, tid, staged);
+        store_a(stage(st), tid, staged);
+        load_b(w, stage(st) + kATileBytes, kt_begin + st, group, n0, tid);
+      } else {
+        load_stage(x, w, stage(st), rows, kt_begin + st, group, n0, tid);
+      }
+    }
     mma::commit_copies();
+  }
+  if (kGatherA && kAhead < k_tiles) {
+    gather_a(x, rows[0], taps, kt_begin + kAhead, group * CG, tid, staged);
   }
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
@@ -151,9 +193,17 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     wgmma::commit();
     const int next = kt + kAhead;  // into the stage k-tile kt - 2 used
     if (next < k_tiles) {
-      load_stage(x, w, stage(next % kStages), rows, kt_begin + next, group, n0, tid);
+      if (kGatherA) {
+        store_a(stage(next % kStages), tid, staged);
+        load_b(w, stage(next % kStages) + kATileBytes, kt_begin + next, group, n0, tid);
+      } else {
+        load_stage(x, w, stage(next % kStages), rows, kt_begin + next, group, n0, tid);
+      }
     }
     mma::commit_copies();
+    if (kGatherA && next + 1 < k_tiles) {  // in flight while k-tile kt multiplies
+      gather_a(x, rows[0], taps, kt_begin + next + 1, group * CG, tid, staged);
+    }
     wgmma::wait<1>();  // the multiply of k-tile kt - 1 is done; kt's may still run
   }
   wgmma::wait<0>();
@@ -165,17 +215,27 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   // Accumulators -> shared fp32 tile. wgmma's layout: warp w of the group owns rows 16w..16w+15;
   // registers i, i + 1 (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4
   // (+ 8 when i % 4 == 2).
+  // NCHW reads the tile back a row per lane (16-byte reads of 8 columns), and rows kCPitch = 8
+  // banks apart would put rows r and r + 4 on the same banks: column col of row row is stored
+  // at col ^ (row & 4), which keeps both these writes (rows r and r + 4 swap halves of their
+  // 8-column groups) and those reads free of bank conflicts.
+  constexpr int kFlip = kNHWC ? 0 : 4;
   float* tile = reinterpret_cast<float*>(smem + (base - raw));
   const int row0 = warpgroup * 64 + warp_in_group * 16 + lane / 4;
 #pragma unroll
   for (int i = 0; i < kBN / 2; i += 2) {
     const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4);
-    *reinterpret_cast<float2*>(tile + row * kCPitch + col) = make_float2(acc[i], acc[i + 1]);
+    *reinterpret_cast<float2*>(tile + row * kCPitch + (col ^ (row & kFlip))) =
+        make_float2(acc[i], acc[i + 1]);
   }
   Io::type* y = static_cast<Io::type*>(p.y);
   if (kSplits == 1) {
     __syncthreads();
-    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group, y);
+    if (kNHWC) {
+      store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group, y);
+    } else {
+      store_tile_planes<kBM, kBN, kCPitch, kThreads, kFlip>(ep, tile, terms, m0, n0, group, y);
+    }
     return;
   }
   wgmma::cluster_sync();  // every slice's partial tile is written and visible cluster-wide
@@ -194,7 +254,18 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
       v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w;
       v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
     }
-    store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
+    if (kNHWC) {
+      store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
+    } else {  // NCHW: the sum goes back to this CTA's tile (its slice: no other CTA reads it)
+      float* sum = tile + row * kCPitch + col8 * 8;
+      *reinterpret_cast<float4*>(sum) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(sum + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+  }
+  if (!kNHWC) {
+    __syncthreads();
+    store_tile_planes<kRows, kBN, kCPitch, kThreads, kFlip>(
+        ep, tile + split * kRows * kCPitch, terms, m0 + split * kRows, n0, group, y);
   }
   wgmma::cluster_sync();  // no CTA leaves while another still reads its shared memory
 }

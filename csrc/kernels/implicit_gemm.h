@@ -3,7 +3,11 @@
 //
 // GEMM view:  Y[m][k] = sum_kk A[m][kk] * B[kk][k], m = output pixel (n, oh, ow), k = output
 // channel within the group, kk = (r, s, c) = filter tap and input channel, c fastest. A is the
-// NHWC input read through the convolution's window (never materialized); B is the filters.
+// input read through the convolution's window (never materialized); B is the filters.
+//
+// NCHW plans (kNHWC false) load and store through the policies at the end of this file: A is
+// gathered through registers (a channel's plane is H*W values from the next, so a row of A is
+// not one 16-byte run), and the epilogue stores one value per output channel plane.
 #pragma once
 
 namespace jaxfuse {
@@ -57,7 +61,8 @@ JF_DEVICE const Io::type* a_source(const Io::type* x, const PixelRow& row, int r
   return inside ? x + row.image + (i64(ih) * W + iw) * C + c : nullptr;
 }
 
-// Filter element (tap, c, k) for group `group`, k within the group.
+// Filter element (tap, c, k) for group `group`, k within the group. (K-major filters: element
+// kk = tap * CG + c of row k, which is also OIHW's when kk is read as (c, r, s): kFlatCRS.)
 JF_DEVICE i64 b_offset(i64 group, int tap, i64 c, i64 k) {
   return kFiltersKMajor ? ((group * KG + k) * kTaps + tap) * CG + c
                         : (i64(tap) * CG + c) * K + group * KG + k;
@@ -115,6 +120,150 @@ JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, 
 template <int kCols, int kThreads>
 JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
   fill_terms<kCols, kThreads>(ep, terms, n0, group, threadIdx.x);
+}
+
+// ----- NCHW: A gathered through registers, output stored plane by plane -----------------------
+//
+// Each thread owns one output pixel (one row of A) and gathers kVec consecutive kk of it per row
+// chunk, one value per load: a warp's lanes hold consecutive pixels with the same kk, so every
+// load reads a contiguous run of an input row (coalesced), and the finished chunk is one 16-byte
+// shared-memory store. The kernels issue the loads for a later k-tile into registers before the
+// current one multiplies, and store them after.
+//
+// Reduction order. HWIO and OHWI filters (and OIHW 1x1, which is OHWI): kk = (r, s, c) as for
+// NHWC, so a k-tile lies within one tap: one padding test per k-tile, and the chunk's channels
+// are plane offsets known at compile time. OIHW filters of several taps: kk = (c, r, s), s
+// fastest (kFlatCRS), so B's rows are OIHW runs as stored (16-byte copies, as for OHWI); each A
+// value then has its own channel and tap (compile-time constants per phase of the k-tile in the
+// (c, r, s) period: gather_flat), and its padding test is a bit of the pixel's tap mask.
+constexpr int kVec = 16 / static_cast<int>(sizeof(Io::type));  // values in one 16-byte chunk
+constexpr i64 kPlane = H * W;                                   // one input channel
+constexpr i64 kOutPlane = P * Q;                                // one output channel
+constexpr bool kFlatCRS = !kNHWC && kFilterLayout == kFilterOIHW && kTaps > 1;
+
+// kFlatCRS: bit t set where filter tap t of `row` reads inside the input (none past M).
+JF_DEVICE u32 tap_mask(const PixelRow& row) {
+  u32 mask = 0;
+#pragma unroll
+  for (int t = 0; t < (kFlatCRS && kTaps <= 32 ? static_cast<int>(kTaps) : 0); ++t) {
+    const int ih = row.ih0 + t / static_cast<int>(S) * static_cast<int>(DH);
+    const int iw = row.iw0 + t % static_cast<int>(S) * static_cast<int>(DW);
+    mask |= row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W ? 1u << t : 0u;
+  }
+  return mask;
+}
+
+// kFlatCRS: the reduction repeats every kVec channels (kTaps chunks of kVec values). Gathers
+// chunks kStep apart from one whose phase in that period is kPhase, so that every value's
+// channel and tap, hence its offset from `base` (the first one's period, tap (0, 0)) and its
+// bit in `taps`, are compile-time constants.
+template <int kChunks, int kStep, int kPhase>
+JF_DEVICE void gather_flat(const Io::type* base, u32 taps, Io::type (&v)[kChunks * kVec]) {
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int kk = (kPhase + i * kStep) * kVec + e;
+      const int dc = kk / static_cast<int>(kTaps), t = kk % static_cast<int>(kTaps);
+      const i64 offset = dc * kPlane + t / S * DH * W + t % S * DW;
+      v[i * kVec + e] = (taps & (1u << t)) != 0 ? base[offset] : Io::type(0);
+    }
+  }
+}
+
+template <int kChunks, int kStep, int kPhase = 0>
+JF_DEVICE void gather_flat_phase(int phase, const Io::type* base, u32 taps,
+                                 Io::type (&v)[kChunks * kVec]) {
+  if constexpr (kPhase < kTaps) {
+    if (phase == kPhase) {
+      gather_flat<kChunks, kStep, kPhase>(base, taps, v);
+    } else {
+      gather_flat_phase<kChunks, kStep, kPhase + 1>(phase, base, taps, v);
+    }
+  }
+}
+
+// Gathers this thread's kChunks row chunks of A for the k-tile at reduction index kk0 (a
+// multiple of kVec): chunk i holds kk0 + (col0 + i * kStep) * kVec + [0, kVec) of output pixel
+// `row` (`taps`: its tap_mask), zero in the padding. `channel0`: the group's first input
+// channel. (One padding test per k-tile and compile-time channel offsets when a k-tile lies in
+// one tap; else per value, dispatched once per k-tile on the first chunk's phase.)
+template <int kChunks, int kStep>
+JF_DEVICE void gather_planes(const Io::type* x, const PixelRow& row, u32 taps, int kk0,
+                             i64 channel0, int col0, Io::type (&v)[kChunks * kVec]) {
+  if constexpr (kFlatCRS) {
+    if constexpr (kTaps <= 32) {  // (more: the kernels never gather their rows this way)
+      const int chunk = kk0 / kVec + col0;
+      const int period = chunk / static_cast<int>(kTaps);
+      const Io::type* base = x + row.image + (channel0 + i64(period) * kVec) * kPlane +
+                             i64(row.ih0) * W + row.iw0;
+      gather_flat_phase<kChunks, kStep>(chunk - period * static_cast<int>(kTaps), base, taps, v);
+    }
+  } else {
+    const int tap = kk0 / static_cast<int>(CG);
+    const i64 c = channel0 + kk0 % CG + col0 * kVec;
+    const int ih = row.ih0 + tap / static_cast<int>(S) * static_cast<int>(DH);
+    const int iw = row.iw0 + tap % static_cast<int>(S) * static_cast<int>(DW);
+    const bool inside = row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
+    const Io::type* base = x + row.image + c * kPlane + i64(ih) * W + iw;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        v[i * kVec + e] = inside ? base[(i64(i) * kStep * kVec + e) * kPlane] : Io::type(0);
+      }
+    }
+  }
+}
+
+// kVec gathered values as one 16-byte chunk.
+JF_DEVICE Vec16 pack_chunk(const Io::type* v) {
+  Vec16 out;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) reinterpret_cast<Io::type*>(&out)[e] = v[e];
+  return out;
+}
+
+// NCHW: the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the group),
+// one value per output plane. Lanes hold consecutive pixels, so each store is coalesced.
+JF_DEVICE void store_chunk_planes(const Epilogue& ep, const float (&v)[8],
+                                  const Epilogue::Channel* terms, i64 m, int k, i64 group,
+                                  Io::type* y) {
+  // (32-bit division where the pixel index fits.)
+  const i64 image = M <= 0x7fffffff ? static_cast<u32>(m) / static_cast<u32>(kOutPlane)
+                                    : m / kOutPlane;
+  const i64 param = (group * KG + k) * kOutPlane + (m - image * kOutPlane);
+  const i64 out = image * K * kOutPlane + param;
+  // Every value first, then the stores: a side input's loads need not wait for them.
+  Io::type values[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    values[j] = Io::store(ep.apply(v[j], terms[j], param + j * kOutPlane, out + j * kOutPlane));
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) y[out + j * kOutPlane] = values[j];
+}
+
+// NCHW: writes a finished tile as store_tile does, a thread per output pixel and 8 channels,
+// consecutive threads on consecutive pixels. The staging tile holds row `row`'s column `col` at
+// col ^ (row & kFlip) (kFlip 0 or 4: conv_wgmma.cuh says why).
+template <int kRows, int kCols, int kPitch, int kThreads, int kFlip>
+JF_DEVICE void store_tile_planes(const Epilogue& ep, const float* tile,
+                                 const Epilogue::Channel* terms, i64 m0, int n0, i64 group,
+                                 Io::type* y) {
+  static_assert(kPitch % 4 == 0 && (kFlip == 0 || kFlip == 4), "16-byte reads");
+  for (int chunk = threadIdx.x; chunk < kRows * (kCols / 8); chunk += kThreads) {
+    const int row = chunk % kRows, col8 = chunk / kRows;
+    const i64 m = m0 + row;
+    const int k = n0 + col8 * 8;
+    if (m >= M || k >= KG) continue;
+    const float* src = tile + row * kPitch + col8 * 8;
+    const int flip = row & kFlip;
+    const float4 lo = *reinterpret_cast<const float4*>(src + flip);
+    const float4 hi = *reinterpret_cast<const float4*>(src + (flip ^ 4));
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    store_chunk_planes(ep, v, terms + col8 * 8, m, k, group, y);
+  }
 }
 
 }  // namespace implicit_gemm

@@ -25,6 +25,12 @@ JF_DEVICE void copy16_async(u32 dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// Stores 16 bytes from registers at a (16-byte aligned) shared-memory address.
+JF_DEVICE void store16_shared(u32 dst, const Vec16& v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.v[0]), "r"(v.v[1]),
+               "r"(v.v[2]), "r"(v.v[3])
+               : "memory");
+}
 JF_DEVICE void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `Pending` committed groups of copies are still in flight.
 template <int Pending>
