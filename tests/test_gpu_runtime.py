@@ -81,7 +81,15 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
                       dtype="float16", layout="NHWC", filter_layout="OHWI"),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
-                      padding="SAME", dtype="float16", **NHWC)]:
+                      padding="SAME", dtype="float16", **NHWC),
+                 # Depthwise (tiled kernel): partial tiles, stride 2, a side input, several
+                 # channel slices, per-activation batch norm, each dtype.
+                 Case(ops="CBNSA", c=144, k=144, groups=144, n=4, h=28, w=28,
+                      dtype="float16", **NHWC),
+                 Case(ops="CBNA", c=96, k=96, groups=96, n=2, h=57, w=43, strides=(2, 2),
+                      activation="clipped_relu", dtype="bfloat16", **NHWC),
+                 Case(ops="CNA", c=40, k=40, groups=40, n=3, h=15, w=13,
+                      bn_mode="per_activation", dtype="float32", **NHWC)]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)
