@@ -89,13 +89,19 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNA", c=96, k=96, groups=96, n=2, h=57, w=43, strides=(2, 2),
                       activation="clipped_relu", dtype="bfloat16", **NHWC),
                  Case(ops="CNA", c=40, k=40, groups=40, n=3, h=15, w=13,
-                      bn_mode="per_activation", dtype="float32", **NHWC)]:
+                      bn_mode="per_activation", dtype="float32", **NHWC),
+                 # MobileNet layers at batch 16 and 8: the tilings batch 64 takes.
+                 Case(ops="CBNA", c=256, k=256, groups=256, n=16, h=28, w=28,
+                      dtype="float16", **NHWC),
+                 Case(ops="CBNA", c=96, k=96, groups=96, n=8, h=112, w=112, strides=(2, 2),
+                      activation="clipped_relu", dtype="bfloat16", **NHWC)]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
+# Up to 4 tilings a solver (index 4: the depthwise solver's vector kernel; others clamp).
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
     done = subprocess.run([sys.executable, "-P", "-c",

@@ -108,8 +108,8 @@ def test_depthwise_edges(case: Case, dtype: str, device) -> None:
         assert case.build()[0].compile(device).solver == depthwise_solver(case)
 
 
-# MobileNet's depthwise layers at a small batch, on the GPU only (the float64 reference of the
-# 112x112 ones is slow on a CPU): every dtype, the chain of the benchmark suites.
+# MobileNet's depthwise layers at batch 16 (tiles as large as at batch 64), on the GPU only (the
+# float64 reference of the 112x112 ones is slow on a CPU): every dtype, the suites' chain.
 def _mobilenet_depthwise(n: int) -> list[Case]:
     from jaxfuse.bench.layers import SUITES
 
@@ -122,7 +122,7 @@ def _mobilenet_depthwise(n: int) -> list[Case]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", _mobilenet_depthwise(2), ids=str)
+@pytest.mark.parametrize("case", _mobilenet_depthwise(16), ids=str)
 def test_mobilenet_depthwise_layers(case: Case) -> None:
     gpu = jax.devices("gpu")[0]
     assert case.build()[0].compile(gpu).solver == "conv_depthwise"
