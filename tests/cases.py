@@ -150,6 +150,44 @@ class Case:
         return TOLERANCE[dt]
 
 
+# Depthwise convolutions (NHWC activations, HWIO filters) at the edges of the GPU's tiled
+# depthwise kernel (csrc/kernels/conv_depthwise.cuh): sizes that are not multiples of its tiles,
+# strides (2 and 3, unequal), dilation, asymmetric and negative padding, channel counts that
+# are not a multiple of its channel slice or of 16 bytes (and odd ones, which fp16/bf16 leave
+# to the direct kernel), batch 1, the side input, per-activation batch norm, and filters from
+# 1x1 to 9x9 (larger than the input, too; beyond what fits in registers, the vector kernel).
+def depthwise_case(c: int, **kwargs: Any) -> Case:
+    """A depthwise (multiplier 1) NHWC/HWIO case with `c` channels."""
+    return Case(**{"c": c, "k": c, "groups": c, "layout": "NHWC", "filter_layout": "HWIO",
+                   **kwargs})
+
+
+DEPTHWISE_CASES = [
+    depthwise_case(64, n=2, h=13, w=11),
+    depthwise_case(96, n=1, h=17, w=23, strides=(2, 2), activation="clipped_relu"),
+    depthwise_case(40, ops="CBNSA", n=3, h=9, w=12, padding="SAME"),
+    depthwise_case(48, ops="CNA", bn_mode="per_activation", n=2, h=10, w=7),
+    depthwise_case(6, ops="CBA", n=2, h=8, w=9, activation="elu"),
+    depthwise_case(144, n=2, h=14, w=14, strides=(2, 1), padding=((0, 2), (1, 1))),
+    depthwise_case(32, ops="CBA", n=2, h=15, w=16, dilation=(2, 3), padding="SAME"),
+    depthwise_case(16, ops="CA", n=2, h=12, w=10, padding=((-1, 0), (2, -1))),
+    depthwise_case(32, r=5, s=5, n=2, h=12, w=12, padding=((2, 2), (2, 2))),
+    depthwise_case(16, r=7, s=7, n=1, h=9, w=9, strides=(2, 2), padding="SAME"),
+    depthwise_case(16, ops="CBA", r=9, s=9, n=1, h=10, w=10, padding="SAME"),
+    depthwise_case(8, r=1, s=1, padding="VALID", n=2, h=5, w=6),
+    depthwise_case(32, n=1, h=1, w=1),
+    depthwise_case(8, r=5, s=5, padding=((4, 4), (4, 4)), h=3, w=4),
+    depthwise_case(5, n=2, h=7, w=6),
+    depthwise_case(24, ops="CBNSA", n=4, h=30, w=33, strides=(3, 2), padding=((2, 0), (1, 1))),
+]
+
+
+def depthwise_solver(case: Case) -> str:
+    """The GPU solver a depthwise case takes: the depthwise kernels need whole 32-bit words of
+    channels (an even count in fp16/bf16)."""
+    return "conv_depthwise" if case.dtype == "float32" or case.c % 2 == 0 else "conv_direct"
+
+
 def relative_error(out: Any, ref: np.ndarray) -> float:
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)

@@ -87,12 +87,27 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NCHW),
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NCHW),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
-                      padding="SAME", dtype="float16", **NCHW)]:
+                      padding="SAME", dtype="float16", **NCHW),
+                 # Depthwise (tiled kernel): partial tiles, stride 2, a side input, several
+                 # channel slices, per-activation batch norm, each dtype.
+                 Case(ops="CBNSA", c=144, k=144, groups=144, n=4, h=28, w=28,
+                      dtype="float16", **NHWC),
+                 Case(ops="CBNA", c=96, k=96, groups=96, n=2, h=57, w=43, strides=(2, 2),
+                      activation="clipped_relu", dtype="bfloat16", **NHWC),
+                 Case(ops="CNA", c=40, k=40, groups=40, n=3, h=15, w=13,
+                      bn_mode="per_activation", dtype="float32", **NHWC),
+                 # MobileNet layers at batch 16 and 8: the tilings batch 64 takes.
+                 Case(ops="CBNA", c=256, k=256, groups=256, n=16, h=28, w=28,
+                      dtype="float16", **NHWC),
+                 Case(ops="CBNA", c=96, k=96, groups=96, n=8, h=112, w=112, strides=(2, 2),
+                      activation="clipped_relu", dtype="bfloat16", **NHWC)]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)
 
 
+# Every variant index a solver offers (8: the cp.async and TMA Hopper kernels' tiles; the
+# depthwise solver's last is its vector kernel); indices past a plan's count clamp to its last.
 @pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}

@@ -9,7 +9,7 @@ import dataclasses
 import os
 
 import pytest
-from cases import Case, compiler_available
+from cases import DEPTHWISE_CASES, Case, compiler_available, depthwise_solver
 
 from jaxfuse._extension import extension
 from jaxfuse.activations import ActivationMode
@@ -171,6 +171,55 @@ def test_every_variant_of_real_layers_compiles(case: Case, arch: str) -> None:
     for variant in range(1, count):  # variant 0 compiled just above
         assert extension().gpu_compile_only("CUDA", encoded, arch,
                                             variant=variant)["binary_bytes"] > 0
+
+
+# The depthwise solver: the geometries at its edges in every dtype, and MobileNet's depthwise
+# layers (its performance targets) at batch 1 and 64 in fp16 and fp32 (bf16: above); every
+# variant compiles, variants are distinct, and filters up to 5x5 take the tiled kernel first.
+def _compile_every_variant(case: Case, arch: str) -> list[dict]:
+    encoded = case.build()[0].signature.encode()
+    first = extension().gpu_compile_only("CUDA", encoded, arch)
+    outs = [first] + [extension().gpu_compile_only("CUDA", encoded, arch, variant=v)
+                      for v in range(1, first["variants"])]
+    for out in outs:
+        assert out["binary_bytes"] > 0 and out["solver"] == first["solver"]
+    assert len({out["tile"] for out in outs}) == len(outs), "variants are distinct tiles"
+    return outs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=str)
+def test_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
+    case = dataclasses.replace(case, dtype=dtype)
+    outs = _compile_every_variant(case, arch)
+    assert outs[0]["solver"] == depthwise_solver(case)
+    if outs[0]["solver"] == "conv_depthwise" and case.r * case.s <= 25:
+        assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_depthwise", outs[0]["tile"]
+
+
+def _mobilenet_depthwise_cases() -> list[Case]:
+    from jaxfuse.bench.layers import SUITES
+
+    return [Case(ops="CBNA", dtype=dtype, layout="NHWC", filter_layout="HWIO", n=n, c=layer.c,
+                 k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                 strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
+                 groups=layer.groups, activation=layer.activation or "relu")
+            for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
+            if layer.groups > 1 for dtype in ("float16", "float32") for n in (1, 64)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", _mobilenet_depthwise_cases(), ids=str)
+def test_mobilenet_depthwise_layers_compile(case: Case, arch: str) -> None:
+    outs = _compile_every_variant(case, arch)
+    assert outs[0]["solver"] == "conv_depthwise"
+    # The tiled kernel's tilings, then the vector kernel it replaced, for autotuning to time.
+    names = [out["entries"][0]["name"] for out in outs]
+    assert names[-1] == "jaxfuse_conv_depthwise_vector" and outs[-1]["tile"] == "vector"
+    assert set(names[:-1]) == {"jaxfuse_conv_depthwise"}
+    if case.n == 64:
+        assert len(outs) >= 3, "alternative tilings"
 
 
 HIPRTC = compiler_available("ROCM")

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 import pytest
-from cases import Case, run_case
+from cases import DEPTHWISE_CASES, Case, depthwise_solver, run_case
 
 import jaxfuse as jf
 from jaxfuse.activations import ActivationMode
@@ -140,6 +140,36 @@ def test_depthwise_and_wide_pointwise(dtype: str, device) -> None:
     run_case(Case(ops="BNA", c=4104, h=2, w=3, layout="NHWC", dtype=dtype), device)
     if device.platform == "gpu":
         assert depthwise.build()[0].compile(device).solver == "conv_depthwise"
+
+
+@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_depthwise_edges(case: Case, dtype: str, device) -> None:
+    case = dataclasses.replace(case, dtype=dtype)
+    run_case(case, device)
+    if device.platform == "gpu":
+        assert case.build()[0].compile(device).solver == depthwise_solver(case)
+
+
+# MobileNet's depthwise layers at batch 16 (tiles as large as at batch 64), on the GPU only (the
+# float64 reference of the 112x112 ones is slow on a CPU): every dtype, the suites' chain.
+def _mobilenet_depthwise(n: int) -> list[Case]:
+    from jaxfuse.bench.layers import SUITES
+
+    return [Case(ops="CBNA", dtype=dtype, layout="NHWC", filter_layout="HWIO", n=n, c=layer.c,
+                 k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                 strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
+                 groups=layer.groups, activation=layer.activation or "relu")
+            for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
+            if layer.groups > 1 for dtype in ("float32", "float16", "bfloat16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _mobilenet_depthwise(16), ids=str)
+def test_mobilenet_depthwise_layers(case: Case) -> None:
+    gpu = jax.devices("gpu")[0]
+    assert case.build()[0].compile(gpu).solver == "conv_depthwise"
+    run_case(case, gpu)
 
 
 @pytest.mark.parametrize("case", CHAIN_CASES, ids=str)

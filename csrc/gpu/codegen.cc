@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <functional>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -512,6 +514,222 @@ std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
   return s.str();
 }
 
+// ----- depthwise convolution on CUDA cores (conv_depthwise.cuh) -------------------------------
+
+// One tiling of the tiled depthwise kernel: a CTA computes a th x tw tile of output pixels for
+// a slice of cs channels; each thread a bh x bw block of them for one 32-bit word of channels.
+struct DepthwiseTile {
+  int cs = 0, bh = 1, bw = 1, th = 1, tw = 1, fill = 4, threads = 0;
+  bool large_filter = false;  // more than 5x5 taps
+  int64_t smem = 0, ctas = 0;
+  double seconds = 0;  // the cost model's estimate
+  // Resident CTAs ptxas must allow: registers capped at 128 a thread (2048 threads / 16
+  // warps), except for large filters, whose taps alone take most of that.
+  int MinBlocks() const { return large_filter ? 1 : std::max(1, 16 / ((threads + 31) / 32)); }
+  std::string Name() const {
+    return std::to_string(th) + "x" + std::to_string(tw) + "x" + std::to_string(cs) + " b" +
+           std::to_string(bh) + "x" + std::to_string(bw);
+  }
+};
+
+bool IsDepthwise(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  return g.groups == spec.c && g.k == spec.c && spec.layout == Layout::kNHWC &&
+         g.filter_layout == FilterLayout::kHWIO;
+}
+
+// Per output axis, for a tile of `tile` outputs in blocks of `block`: the blocks with work and
+// the input positions (inside the input) the tiles copy, summed over the axis's tiles.
+struct AxisCount {
+  int64_t blocks = 0, loaded = 0;
+};
+AxisCount CountAxis(int64_t out, int64_t in, int64_t stride, int64_t pad, int64_t window,
+                    int tile, int block) {
+  AxisCount a;
+  const int64_t extent = (tile - 1) * stride + window;  // input positions per tile
+  for (int64_t t = 0; t * tile < out; ++t) {
+    a.blocks += std::min<int64_t>(tile / block, (out - t * tile + block - 1) / block);
+    const int64_t lo = std::max<int64_t>(0, t * tile * stride - pad);
+    const int64_t hi = std::min<int64_t>(in, t * tile * stride - pad + extent);
+    a.loaded += std::max<int64_t>(0, hi - lo);
+  }
+  return a;
+}
+
+// The tilings worth timing, best first by a cost model of an H100-class device: the longer of
+// issuing the kernel's instructions (counts per block, copy and CTA calibrated on its sm_90
+// SASS; 128 fp32 lanes a multiprocessor at 1.6 GHz, 70% issue efficiency with 16 or more warps
+// resident) and moving its bytes (3 TB/s, halo re-reads from L2 at 30% of a DRAM byte, at most
+// the bytes in flight over 0.8 us of latency: half of each resident CTA's tile), plus one
+// CTA's duration (the tail, and all there is at batch 1). Empty if no tiling applies.
+std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  const int elem = static_cast<int>(dtype_size(spec.dtype));
+  const int ch = 4 / elem;          // channels per 32-bit word
+  const int cvt = elem == 2 ? 1 : 0;  // a conversion per channel of each word read, a pack
+  const int64_t c = spec.c, n = spec.n, p = spec.out_h, q = spec.out_w;
+  const int64_t rs = g.r * g.s;
+  std::vector<DepthwiseTile> all;
+  // Filter taps live in registers: larger filters take the vector kernel.
+  if (!IsDepthwise(spec) || c % ch != 0 || rs * ch > 98 || n * p * q <= 0 ||
+      spec.h * spec.w * c >= (int64_t{1} << 40)) {
+    return all;
+  }
+  const int64_t window_h = (g.r - 1) * g.dil_h + 1, window_w = (g.s - 1) * g.dil_w + 1;
+  const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  const int64_t smem_limit = std::min<int64_t>(device.max_smem_per_block, 227 * 1024);
+  const double clock = 1.6e9, efficiency = 0.7, bandwidth = 3.0e12, latency = 0.8e-6;
+  const double x_bytes = double(n) * spec.h * spec.w * c * elem;
+  const double y_bytes = double(n) * p * q * c * elem;
+  // Per thread: its taps and per-channel terms from the CTA's table, the tile's coordinates,
+  // the barrier; per channel, building the table (loads, conversions, the batch-norm fold).
+  const double prologue = double(rs) + 5.0 * ch + 45;
+  const double table = 3.0 * rs + 40;  // per channel
+  // Slices of 64 bytes or more (128 best): a warp's copies and stores then cover whole 32-byte
+  // sectors, and the 64-byte units DRAM fetches, of every pixel; narrower only when C is.
+  std::vector<int> slices;
+  const int64_t min_slice = std::min<int64_t>(c, (64 + elem - 1) / elem);
+  for (int64_t cs = ch; cs <= std::min<int64_t>(c, 64 * ch); cs += ch) {
+    if (c % cs == 0 && cs >= min_slice) slices.push_back(static_cast<int>(cs));
+  }
+  // Per axis, per block size and blocks a tile (up to 4 x 16 rows, 8 x 16 columns).
+  AxisCount rows[5][17], cols[9][17];
+  for (int b = 1; b <= 8; ++b) {
+    for (int nb = 1; nb <= 16; ++nb) {
+      if (b <= 4) rows[b][nb] = CountAxis(p, spec.h, g.stride_h, g.pad_t, window_h, nb * b, b);
+      cols[b][nb] = CountAxis(q, spec.w, g.stride_w, g.pad_l, window_w, nb * b, b);
+    }
+  }
+  std::vector<DepthwiseTile> scored;
+  for (int bh = 1; bh <= std::min<int64_t>(4, p); ++bh) {
+    for (int bw = 1; bw <= std::min<int64_t>(8, q); ++bw) {
+      const int64_t in_rows = (bh - 1) * g.stride_h + window_h;
+      const int64_t in_cols = (bw - 1) * g.stride_w + window_w;
+      // Registers (ptxas caps them at 128 up to 5x5 filters): taps, terms, accumulators, a
+      // converted input row (an overestimate: ptxas reloads taps from the table if it must).
+      const int64_t regs = 24 + ch * (rs + 4 + bh * bw + in_cols) + in_cols;
+      if (regs > (rs > 25 ? 168 : 120)) continue;
+      // Per block: FMAs and epilogue, shared loads (and conversions), stores (and packing).
+      const double per_block = double(ch) * bh * bw * (rs + 7) +
+                               double(in_rows) * in_cols * (1 + cvt * ch) +
+                               double(bh) * bw * (1 + cvt) + 10;
+      for (int nbh = 1; nbh <= 16 && (nbh - 1) * bh < p; ++nbh) {
+        const int th = nbh * bh;
+        const AxisCount& ah = rows[bh][nbh];
+        for (int nbw = 1; nbw <= 16 && (nbw - 1) * bw < q; ++nbw) {
+          const int tw = nbw * bw;
+          const AxisCount& aw = cols[bw][nbw];
+          const int64_t tile_rows = (th - 1) * g.stride_h + window_h;
+          const int64_t tile_cols = (tw - 1) * g.stride_w + window_w;
+          const int64_t tiles = n * ((p + th - 1) / th) * ((q + tw - 1) / tw);
+          for (const int cs : slices) {
+            DepthwiseTile t;
+            t.cs = cs, t.bh = bh, t.bw = bw, t.th = th, t.tw = tw, t.large_filter = rs > 25;
+            t.threads = cs / ch * nbh * nbw;
+            // The input window, then the taps (fp32) and the 20-byte epilogue terms per channel.
+            t.smem = tile_rows * tile_cols * cs * elem + (rs * 4 + 20) * cs;
+            t.fill = (int64_t{cs} * elem) % 16 == 0 && (c * elem) % 16 == 0 ? 16 : 4;
+            t.ctas = (c / cs) * tiles;
+            // A warp or more (tiny outputs: all their words), at most 512 threads.
+            if (t.threads < std::min<int64_t>(32, c / ch * p * q) || t.threads > 512 ||
+                t.smem > smem_limit ||
+                t.ctas > std::numeric_limits<int32_t>::max()) {
+              continue;
+            }
+            const int warps = (t.threads + 31) / 32;
+            const double lanes = warps * 32.0 / t.threads;  // idle lanes of a partial warp
+            const int64_t regs_per_cta = (regs + 7) / 8 * 8 * warps * 32;
+            const int per_sm = static_cast<int>(std::min<int64_t>(
+                {64 / warps, 228 * 1024 / (t.smem + 1024), 65536 / regs_per_cta, 32}));
+            if (per_sm < 1) continue;
+            const int64_t row_chunks = tile_cols * cs * elem / t.fill;
+            const double chunks = double(tiles) * (c / cs) * tile_rows * row_chunks;
+            const double per_chunk = t.threads % row_chunks == 0 ? 8 : 14;
+            const double work =
+                (double(n) * c / ch * ah.blocks * aw.blocks * per_block + chunks * per_chunk) *
+                lanes;
+            const double loaded = double(n) * c * ah.loaded * aw.loaded * elem;
+            const double bytes = x_bytes + y_bytes + 0.3 * std::max(0.0, loaded - x_bytes);
+            const double used_sms = std::min<double>(sms, t.ctas);
+            const double resident = std::min<double>(per_sm, std::ceil(t.ctas / double(sms)));
+            const double issue_rate =
+                used_sms * 128 * clock * efficiency * std::min(1.0, resident * warps / 16);
+            const double issue =
+                (work + double(t.ctas) * (t.threads * prologue + cs * table) * lanes) / issue_rate;
+            const double in_flight = used_sms * resident * t.smem * 0.5;
+            const double memory = bytes / std::min(bandwidth, in_flight / latency);
+            const double per_thread =
+                (work / lanes) / (double(t.ctas) * t.threads) + prologue + cs * table / t.threads;
+            const double cta = latency + per_thread * warps / (4 * clock * efficiency);
+            t.seconds = std::max(issue, memory) + cta;
+            scored.push_back(t);
+          }
+        }
+      }
+    }
+  }
+  std::sort(scored.begin(), scored.end(), [](const DepthwiseTile& a, const DepthwiseTile& b) {
+    return a.seconds < b.seconds;
+  });
+  // The best; then, within 1.5x of its estimate, the best with another channel slice, the best
+  // with a block shape not yet taken, the best with a tile of half or twice the area of every
+  // one taken; then any that differs from all taken in one of those ways.
+  const auto other_slice = [&](const DepthwiseTile& t) {
+    return std::all_of(all.begin(), all.end(),
+                       [&](const DepthwiseTile& u) { return t.cs != u.cs; });
+  };
+  const auto other_block = [&](const DepthwiseTile& t) {
+    return std::all_of(all.begin(), all.end(),
+                       [&](const DepthwiseTile& u) { return t.bh != u.bh || t.bw != u.bw; });
+  };
+  const auto other_area = [&](const DepthwiseTile& t) {
+    return std::all_of(all.begin(), all.end(), [&](const DepthwiseTile& u) {
+      const double ratio = double(t.th) * t.tw / (double(u.th) * u.tw);
+      return ratio >= 2 || ratio <= 0.5;
+    });
+  };
+  const auto distinct = [&](const DepthwiseTile& t) {
+    return std::all_of(all.begin(), all.end(), [&](const DepthwiseTile& u) {
+      const double ratio = double(t.th) * t.tw / (double(u.th) * u.tw);
+      return t.cs != u.cs || t.bh != u.bh || t.bw != u.bw || ratio >= 2 || ratio <= 0.5;
+    });
+  };
+  for (const auto& wanted : std::vector<std::function<bool(const DepthwiseTile&)>>{
+           [](const DepthwiseTile&) { return true; }, other_slice, other_block, other_area,
+           distinct, distinct, distinct}) {
+    for (const DepthwiseTile& t : scored) {
+      if (all.size() >= 4 || (!all.empty() && t.seconds > 1.5 * all[0].seconds)) break;
+      if (wanted(t)) {
+        all.push_back(t);
+        break;
+      }
+    }
+  }
+  return all;
+}
+
+// The vector kernel: 16 bytes of channels a thread, any filter size.
+bool DepthwiseVectorApplies(const PlanSpec& spec) {
+  return IsDepthwise(spec) && spec.c % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0;
+}
+
+int DepthwiseVariants(const PlanSpec& spec, const DeviceInfo& device) {
+  const int tiled = static_cast<int>(DepthwiseCandidates(spec, device).size());
+  return std::max(1, tiled + (DepthwiseVectorApplies(spec) ? 1 : 0));
+}
+
+std::string DepthwiseConstants(const DepthwiseTile& t) {
+  Text s;
+  s << "constexpr int kBH = " << t.bh << ", kBW = " << t.bw << ", kTH = " << t.th
+    << ", kTW = " << t.tw << ", kCS = " << t.cs << ";\n"
+    << "constexpr int kFill = " << t.fill << ", kThreads = " << t.threads
+    << ", kMinBlocks = " << t.MinBlocks() << ";\n"
+    << "constexpr int kSmemBytes = " << t.smem << ";\n"
+    << "}  // namespace plan\n}  // namespace jaxfuse\n#define JF_DEPTHWISE_TILED 1\n"
+    << "namespace jaxfuse {\nnamespace plan {\n";
+  return s.str();
+}
+
 }  // namespace
 
 std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
@@ -546,6 +764,7 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
     return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
   }
   if (IgemmApplies(spec, device)) return static_cast<int>(IgemmCandidates(spec, device).size());
+  if (IsDepthwise(spec)) return DepthwiseVariants(spec, device);
   return 1;
 }
 
@@ -638,16 +857,34 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     out.entries.push_back(direct);
     return out;
   }
-  const ConvGeometry& g = spec.conv;
-  const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
-  if (g.groups == spec.c && g.k == spec.c && spec.layout == Layout::kNHWC &&
-      g.filter_layout == FilterLayout::kHWIO && spec.c % lanes == 0) {
-    out.solver = "conv_depthwise";
-    out.source = TranslationUnit(spec, "", {"conv_depthwise.cuh", "conv_direct.cuh"});
-    out.entries.push_back({"jaxfuse_conv_depthwise", GridFor(elements / lanes, 256, device), 256,
-                           0, 16});
-    out.entries.push_back(direct);
-    return out;
+  if (IsDepthwise(spec)) {
+    // The tiled kernel's tilings, then the vector kernel (the only one for filters too large
+    // for registers; otherwise a candidate autotuning times against them).
+    const std::vector<DepthwiseTile> tiles = DepthwiseCandidates(spec, device);
+    const int count = static_cast<int>(tiles.size()) + (DepthwiseVectorApplies(spec) ? 1 : 0);
+    const int v = std::clamp<int>(variant, 0, std::max(count, 1) - 1);
+    if (v < static_cast<int>(tiles.size())) {
+      const DepthwiseTile& tile = tiles[v];
+      out.solver = "conv_depthwise";
+      out.tile = tile.Name();
+      out.source = TranslationUnit(spec, DepthwiseConstants(tile),
+                                   {"conv_depthwise.cuh", "conv_direct.cuh"});
+      out.entries.push_back({"jaxfuse_conv_depthwise", static_cast<unsigned>(tile.ctas),
+                             static_cast<unsigned>(tile.threads),
+                             static_cast<unsigned>(tile.smem), tile.fill});
+      out.entries.push_back(direct);
+      return out;
+    }
+    if (DepthwiseVectorApplies(spec)) {
+      const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+      out.solver = "conv_depthwise";
+      out.tile = "vector";
+      out.source = TranslationUnit(spec, "", {"conv_depthwise.cuh", "conv_direct.cuh"});
+      out.entries.push_back({"jaxfuse_conv_depthwise_vector",
+                             GridFor(elements / lanes, 256, device), 256, 0, 16});
+      out.entries.push_back(direct);
+      return out;
+    }
   }
   out.solver = "conv_direct";
   out.source = TranslationUnit(spec, "", {"conv_direct.cuh"});

@@ -1,7 +1,26 @@
-// Depthwise convolution (one input and one output channel per group), NHWC: each thread
-// computes one output pixel for 16 bytes' worth of consecutive channels, reading input and
-// filter taps as 16-byte vectors; neighbouring threads share input rows through L1. Filters
-// are HWIO (R, S, 1, C). Requires C % lanes == 0 and 16-byte aligned buffers.
+// Depthwise convolution (one input and one output channel per group), NHWC activations, HWIO
+// filters (R, S, 1, C), fp32 accumulation on CUDA cores. Two kernels; the code generator
+// (csrc/gpu/codegen.cc) defines JF_DEPTHWISE_TILED and the tile constants for the first.
+//
+// jaxfuse_conv_depthwise (tiled): a CTA owns a kCS-channel slice of a kTH x kTW tile of output
+// pixels. It copies the tile's input window, halo and zero padding included, into shared
+// memory once (cp.async of kFill bytes, consecutive threads on consecutive bytes of a pixel's
+// channels), then each thread computes a kBH x kBW block of output pixels for one 32-bit word
+// of channels (2 fp16/bf16 channels or 1 fp32 channel): it walks the block's input rows, reads
+// and converts each input word once, and adds it to every output of the block it touches
+// (register blocking in both directions: (kBH - 1) * SH + R rows by (kBW - 1) * SW + S columns
+// of reads for kBH * kBW outputs). The filter taps (as fp32) and the epilogue's per-channel
+// terms are tabulated in shared memory once a CTA, a thread a channel, and each thread keeps
+// its own in registers. Each output word goes through the plan's epilogue and out as one
+// 32-bit store; a warp's stores cover consecutive channels of a pixel. Needs C % kCS == 0 and
+// buffers aligned to kFill bytes (4 or 16). No tensor cores: a dense MMA over a depthwise
+// product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
+// NaN would leak across channels where the convolution has none.
+//
+// jaxfuse_conv_depthwise_vector (the kernel before the tiled one: for filters too large for the
+// tiled kernel's registers, and one more candidate autotuning times): each thread computes one
+// output pixel for 16 bytes of channels, reading input and filter taps as 16-byte vectors
+// through L1. Needs C % (16 / sizeof(T)) == 0 and 16-byte aligned buffers.
 #pragma once
 
 namespace jaxfuse {
@@ -9,15 +28,296 @@ namespace depthwise {
 
 using namespace plan;
 typedef Io::type T;
-constexpr int kLanes = sizeof(Vec16) / sizeof(T);
-constexpr i64 kChannelVectors = C / kLanes;
-constexpr i64 kWork = N * P * Q * kChannelVectors;
-static_assert(C % kLanes == 0 && K == C && G == C, "depthwise, whole channel vectors");
+
+#ifdef JF_DEPTHWISE_TILED
+
+template <bool Narrow>
+struct IndexType {
+  typedef int type;
+};
+template <>
+struct IndexType<false> {
+  typedef i64 type;
+};
+
+constexpr int kCh = 4 / static_cast<int>(sizeof(T));  // channels per 32-bit word
+constexpr int kThreadsC = kCS / kCh;                   // threads across a slice's channels
+constexpr int kBlocksH = kTH / kBH, kBlocksW = kTW / kBW;
+constexpr int kInRows = (kBH - 1) * SH + (R - 1) * DH + 1;  // one thread's input window
+constexpr int kInCols = (kBW - 1) * SW + (S - 1) * DW + 1;
+constexpr int kTileRows = (kTH - 1) * SH + (R - 1) * DH + 1;  // the CTA's, in shared memory
+constexpr int kTileCols = (kTW - 1) * SW + (S - 1) * DW + 1;
+constexpr i64 kTilesH = (P + kTH - 1) / kTH, kTilesW = (Q + kTW - 1) / kTW;
+constexpr i64 kTiles = N * kTilesH * kTilesW;
+constexpr i64 kSlices = C / kCS;
+constexpr int kFillElems = kFill / static_cast<int>(sizeof(T));
+constexpr int kChunksPerPixel = kCS / kFillElems;
+constexpr int kChunks = kTileRows * kTileCols * kChunksPerPixel;
+constexpr int kFillSteps = (kChunks + kThreads - 1) / kThreads;
+// Offsets within one image in 32 bits where every one computed fits, in bytes: the output's,
+// and the input's over the rows and columns tiles reach (padding included, however large).
+constexpr i64 kLastH = (kTilesH * kTH - 1) * SH - PT + (R - 1) * DH;  // the last row read
+constexpr i64 kLastW = (kTilesW * kTW - 1) * SW - PL + (S - 1) * DW;
+constexpr i64 kReachH = (PT < 0 ? -PT : PT) + (kLastH < 0 ? -kLastH : kLastH) + 1;
+constexpr i64 kReachW = (PL < 0 ? -PL : PL) + (kLastW < 0 ? -kLastW : kLastW) + 1;
+typedef IndexType<((kReachH * W * C + kReachW * C) * sizeof(T) < (i64(1) << 31)) &&
+                  (P * Q * K * sizeof(T) < (i64(1) << 31))>::type Idx;
+constexpr Idx kW = W, kC = C, kQ = Q, kK = K;
+// base + offset for an offset known to be >= 0 (one 32x64-bit multiply-add in 32 bits).
+template <typename Pointer>
+JF_DEVICE Pointer advance(Pointer base, Idx offset) {
+  if constexpr (sizeof(Idx) == 4) return base + static_cast<u32>(offset);
+  return base + offset;
+}
+// CTA and tile numbers in 32 bits where they fit.
+typedef IndexType<(kTiles * kSlices < (i64(1) << 31))>::type TileIdx;
+
+static_assert(K == C && G == C, "depthwise, multiplier 1");
+static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole slices");
+static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");
+static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");
+static_assert(kThreads == kThreadsC * kBlocksH * kBlocksW, "one thread per (word, block)");
+// Shared memory: the tile's input window, then the slice's taps (fp32, tap-major) and
+// per-channel epilogue terms, tabulated once a CTA.
+constexpr int kWindowBytes = kTileRows * kTileCols * kCS * static_cast<int>(sizeof(T));
+constexpr int kTapsOffset = kWindowBytes, kTermsOffset = kTapsOffset + R * S * kCS * 4;
+static_assert(sizeof(Epilogue::Channel) == 20, "the code generator sizes the table so");
+static_assert(kSmemBytes == kTermsOffset + kCS * 20, "shared memory: window, taps, terms");
+
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+JF_DEVICE u32 shared_address(const void* p) {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u32 addr;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(addr) : "l"(p));
+  return addr;
+#else
+  return 0;
+#endif
+}
+
+// kFill bytes global -> shared at byte `offset` of the tile (`smem`, address `smem_addr`),
+// zeros where `valid` is false (padding, beyond the input).
+JF_DEVICE void copy_async(unsigned char* smem, u32 smem_addr, int offset,
+                          const unsigned char* src, bool valid) {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  (void)smem;
+  if (kFill == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr + offset),
+                 "l"(src), "r"(valid ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr + offset),
+                 "l"(src), "r"(valid ? 4 : 0));
+  }
+#else
+  (void)smem_addr;
+  if (kFill == 16) {
+    Vec16 v = {{0u, 0u, 0u, 0u}};
+    if (valid) v = *reinterpret_cast<const Vec16*>(src);
+    *reinterpret_cast<Vec16*>(smem + offset) = v;
+  } else {
+    *reinterpret_cast<u32*>(smem + offset) = valid ? *reinterpret_cast<const u32*>(src) : 0u;
+  }
+#endif
+}
+
+JF_DEVICE void wait_copies() {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// One 32-bit word of channels <-> kCh floats (channel c in the low half for 16-bit types).
+JF_DEVICE void unpack(u32 word, float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    v[0] = bits_to_float(word);
+  } else if constexpr (kDtype == 2) {
+    v[0] = bits_to_float(word << 16);
+    v[1] = bits_to_float(word & 0xffff0000u);
+  } else {
+    v[0] = Io::load(static_cast<u16>(word & 0xffffu));
+    v[1] = Io::load(static_cast<u16>(word >> 16));
+  }
+}
+
+JF_DEVICE u32 pack(const float (&v)[kCh]) {
+  if constexpr (kCh == 1) {
+    return float_to_bits(v[0]);
+  } else {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u32 word;  // one instruction for both channels; the same rounding as Io::store
+    if constexpr (kDtype == 2) {
+      asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(v[1]), "f"(v[0]));
+    } else {
+      asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(word) : "f"(v[1]), "f"(v[0]));
+    }
+    return word;
+#else
+    return u32(Io::store(v[0])) | (u32(Io::store(v[1])) << 16);
+#endif
+  }
+}
+
+// Copies the input window of a tile (rows from ih0, columns from iw0) of the slice at byte
+// `x_slice` (x + n * H * W * C + first channel) into shared memory, pixel-major, kCS channels a
+// pixel. Chunk i (kFill bytes) is byte i * kFill of the tile: row i / kRowChunks, column and
+// part of the pixel from i % kRowChunks. When kThreads is a multiple of kRowChunks, a thread's
+// column and part are the same at every step and only its row advances.
+constexpr int kRowChunks = kTileCols * kChunksPerPixel;
+constexpr Idx kRowBytes = kW * kC * Idx(sizeof(T)), kPixelBytes = kC * Idx(sizeof(T));
+JF_DEVICE void fill_tile(unsigned char* smem, u32 smem_addr, const unsigned char* x_slice,
+                         int ih0, int iw0, int tid) {
+  if constexpr (kThreads % kRowChunks == 0) {
+    constexpr int kRowsPerStep = kThreads >= kRowChunks ? kThreads / kRowChunks : 1;
+    constexpr int kSteps = (kTileRows + kRowsPerStep - 1) / kRowsPerStep;
+    const int rc = static_cast<unsigned>(tid) % kRowChunks;
+    const int row = static_cast<unsigned>(tid) / kRowChunks;
+    const int iw = iw0 + static_cast<unsigned>(rc) / kChunksPerPixel;
+    const bool column_valid = static_cast<unsigned>(iw) < static_cast<unsigned>(W);
+    const Idx first = Idx(ih0 + row) * kRowBytes + Idx(iw) * kPixelBytes +
+                      (static_cast<unsigned>(rc) % kChunksPerPixel) * kFill;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      if (kTileRows % kRowsPerStep != 0 && step == kSteps - 1 &&
+          row + step * kRowsPerStep >= kTileRows) {
+        break;
+      }
+      const int ih = ih0 + row + step * kRowsPerStep;
+      const bool valid = column_valid && static_cast<unsigned>(ih) < static_cast<unsigned>(H);
+      const Idx offset = first + Idx(step * kRowsPerStep) * kRowBytes;
+      copy_async(smem, smem_addr, (tid + step * kThreads) * kFill,
+                 advance(x_slice, valid ? offset : 0), valid);
+    }
+  } else {
+#pragma unroll
+    for (int step = 0; step < kFillSteps; ++step) {
+      const int i = tid + step * kThreads;
+      if (kChunks % kThreads != 0 && step == kFillSteps - 1 && i >= kChunks) break;
+      const int row = static_cast<unsigned>(i) / kRowChunks;
+      const int rc = static_cast<unsigned>(i) % kRowChunks;
+      const int ih = ih0 + row, iw = iw0 + static_cast<unsigned>(rc) / kChunksPerPixel;
+      const bool valid = static_cast<unsigned>(ih) < static_cast<unsigned>(H) &&
+                         static_cast<unsigned>(iw) < static_cast<unsigned>(W);
+      const Idx offset = Idx(ih) * kRowBytes + Idx(iw) * kPixelBytes +
+                         (static_cast<unsigned>(rc) % kChunksPerPixel) * kFill;
+      copy_async(smem, smem_addr, i * kFill, advance(x_slice, valid ? offset : 0), valid);
+    }
+  }
+  wait_copies();
+}
 
 }  // namespace depthwise
 }  // namespace jaxfuse
 
-extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_depthwise(jaxfuse::FusedParams p) {
+extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::plan::kMinBlocks)
+    jaxfuse_conv_depthwise(jaxfuse::FusedParams p) {
+  using namespace jaxfuse;
+  using namespace jaxfuse::depthwise;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const u32* words = reinterpret_cast<const u32*>(smem);
+  const Epilogue ep(p);
+  const T* x = static_cast<const T*>(p.x);
+  const T* w = static_cast<const T*>(p.w);
+  T* y = static_cast<T*>(p.y);
+
+  const int tid = threadIdx.x;  // (non-negative: unsigned division where it divides)
+  const TileIdx cta = blockIdx.x;
+  const int slice = static_cast<int>(cta % TileIdx(kSlices));
+  const TileIdx tile = cta / TileIdx(kSlices);
+  const int tc = static_cast<unsigned>(tid) % kThreadsC;
+  const int block = static_cast<unsigned>(tid) / kThreadsC;
+  const int bi = static_cast<unsigned>(block) / kBlocksW;
+  const int bj = static_cast<unsigned>(block) % kBlocksW;
+  const int c = slice * kCS + tc * kCh;  // this thread's first channel
+  const int tw = static_cast<int>(tile % TileIdx(kTilesW));
+  const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
+  const i64 n = tile / TileIdx(kTilesW * kTilesH);
+  const int oh0 = th * kTH + bi * kBH, ow0 = tw * kTW + bj * kBW;  // this thread's block
+
+  // The slice's filter taps (fp32) and epilogue terms, tabulated in shared memory by its first
+  // kCS threads, then read into registers by all: each thread needs its word's channels'.
+  float* tap_table = reinterpret_cast<float*>(smem + kTapsOffset);
+  Epilogue::Channel* term_table = reinterpret_cast<Epilogue::Channel*>(smem + kTermsOffset);
+  for (int i = tid; i < kCS; i += kThreads) {
+#pragma unroll
+    for (int t = 0; t < R * S; ++t) tap_table[t * kCS + i] = Io::load(w[t * C + slice * kCS + i]);
+    term_table[i] = ep.channel(slice * kCS + i);
+  }
+  fill_tile(smem, shared_address(smem),
+            reinterpret_cast<const unsigned char*>(x + n * (H * W * C) + slice * kCS),
+            th * kTH * SH - PT, tw * kTW * SW - PL, tid);
+  __syncthreads();  // the window and the tables are complete
+  if (oh0 >= P || ow0 >= Q) return;  // a block wholly beyond the output's edge
+  float taps[R * S][kCh];
+#pragma unroll
+  for (int t = 0; t < R * S; ++t)
+#pragma unroll
+    for (int j = 0; j < kCh; ++j) taps[t][j] = tap_table[t * kCS + tc * kCh + j];
+  Epilogue::Channel terms[kCh];
+#pragma unroll
+  for (int j = 0; j < kCh; ++j) terms[j] = term_table[tc * kCh + j];
+
+  float acc[kBH][kBW][kCh];
+#pragma unroll
+  for (int o = 0; o < kBH; ++o)
+#pragma unroll
+    for (int q = 0; q < kBW; ++q)
+#pragma unroll
+      for (int j = 0; j < kCh; ++j) acc[o][q][j] = 0.0f;
+  // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
+  // == i: each row is read and converted once.
+  const u32* window = words + ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
+#pragma unroll
+  for (int i = 0; i < kInRows; ++i) {
+    float in[kInCols][kCh];
+#pragma unroll
+    for (int col = 0; col < kInCols; ++col) {
+      unpack(window[(i * kTileCols + col) * kThreadsC], in[col]);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int d = i - r * DH;
+      if (d < 0 || d % SH != 0 || d / SH >= kBH) continue;
+      const int o = d / SH;
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+#pragma unroll
+        for (int q = 0; q < kBW; ++q)
+#pragma unroll
+          for (int j = 0; j < kCh; ++j) {
+            acc[o][q][j] = fmaf(in[q * SW + s * DW][j], taps[r * S + s][j], acc[o][q][j]);
+          }
+    }
+  }
+
+  const i64 sample = n * kPerSample;
+#pragma unroll
+  for (int o = 0; o < kBH; ++o) {
+    if (P % kBH != 0 && oh0 + o >= P) break;
+#pragma unroll
+    for (int q = 0; q < kBW; ++q) {
+      if (Q % kBW != 0 && ow0 + q >= Q) break;
+      const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // offset within the sample
+      float v[kCh];
+#pragma unroll
+      for (int j = 0; j < kCh; ++j) {
+        v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+      }
+      *reinterpret_cast<u32*>(y + sample + param) = pack(v);
+    }
+  }
+}
+
+#else  // !JF_DEPTHWISE_TILED
+
+constexpr int kLanes = sizeof(Vec16) / sizeof(T);
+constexpr i64 kChannelVectors = C / kLanes;
+constexpr i64 kWork = N * P * Q * kChannelVectors;
+static_assert(C % kLanes == 0 && K == C && G == C, "depthwise, whole channel vectors");
+}  // namespace depthwise
+}  // namespace jaxfuse
+
+extern "C" __global__ void __launch_bounds__(256)
+    jaxfuse_conv_depthwise_vector(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::depthwise;
   const Epilogue ep(p);
@@ -57,3 +357,5 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_depthwise(jaxfuse
     *reinterpret_cast<Vec16*>(y + out) = packed;
   }
 }
+
+#endif  // JF_DEPTHWISE_TILED

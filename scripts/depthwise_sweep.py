@@ -1,0 +1,152 @@
+"""Depthwise sweep on a GPU: each tile variant of the conv_depthwise solver forced, the one
+autotuning picks, and XLA's composition, on the MobileNet suites' depthwise layers.
+
+    python scripts/depthwise_sweep.py --batch 64 --dtype bfloat16 [--json out.json]
+
+Every variant runs in its own child process (JAXFUSE_KERNEL_VARIANT is read once a process);
+the variants beyond the tiled kernel's are the vector kernel it replaced ("vector"), so old and
+new are timed in the same run. Per layer it prints device time (profiler, K distinct input sets
+in one jit, as `python -m jaxfuse.bench` measures), achieved GB/s on the minimal bytes (input,
+filters and output once) and their fraction of the copy bandwidth measured in the same run
+(issue #14's target: >= 80% at batch 64), XLA's device time, and the relative error against
+XLA's result on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+VARIANTS = 5  # the solver offers at most 4 tilings and the vector kernel
+
+
+def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str) -> list[Any]:
+    from jaxfuse.bench.cases import BenchCase
+    from jaxfuse.bench.layers import SUITES
+
+    seen, cases = set(), []
+    for suite in suites:
+        for layer in SUITES[suite]:
+            if layer.groups <= 1 or (only and only not in layer.name):
+                continue
+            for n in batches:
+                for dtype in dtypes:
+                    case = BenchCase(layer, n, dtype, "NHWC", "CBNA")
+                    if case.label() not in seen:
+                        seen.add(case.label())
+                        cases.append(case)
+    return cases
+
+
+def child(args: argparse.Namespace) -> None:
+    """Times every case with the variant this process was started with; JSON lines out."""
+    import jax
+    import numpy as np
+
+    from jaxfuse.bench.timing import batched, device_time_per_op, wall_time_per_op
+
+    def seconds(run: Any, sets: list[Any]) -> float:  # wall time where there is no profiler
+        return device_time_per_op(run, sets) or wall_time_per_op(run, sets, repeats=3)
+
+    device = jax.devices(args.platform)[0]
+    for case in _cases(args.suite, args.batch, args.dtype, args.only):
+        row: dict[str, Any] = {"case": case.label(), "variant": args.child}
+        try:
+            plan, ops = case.plan(device, solver="fused")
+            info = plan.kernel_info
+            row.update(solver=info.get("solver"), tile=info.get("tile"),
+                       chosen=info.get("variant"))
+            sets = case.arg_sets(args.sets if case.n > 1 else max(args.sets, 16), device)
+            fused, unfused = batched(case.fused(plan, ops)), batched(case.unfused())
+            out = np.asarray(fused(sets[:1])[0], np.float64)
+            ref = np.asarray(unfused(sets[:1])[0], np.float64)
+            row["rel_error_vs_xla"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            row["us"] = seconds(fused, sets) * 1e6
+            if args.child == "tuned":
+                row["xla_us"] = seconds(unfused, sets) * 1e6
+        except Exception as err:  # report it, go on with the next case
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        print(json.dumps(row), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--suite", nargs="+", default=["mobilenet", "mobilenetv2"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[64])
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    parser.add_argument("--only", default="", help="layers whose name contains this")
+    parser.add_argument("--sets", type=int, default=8)
+    parser.add_argument("--variants", type=int, default=VARIANTS)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per child")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--platform", default="gpu", help="cpu: a smoke test of the script")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        child(args)
+        return 0
+
+    import jax
+    import numpy as np
+
+    from jaxfuse.bench.roofline import measure_ceilings
+
+    copy = measure_ceilings(jax.devices(args.platform)[0], matmul_size=256).copy_bandwidth
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    cache = tempfile.mkdtemp(prefix="jaxfuse-dw-")  # tuned choices made fresh in this run
+    for variant in ["tuned", *map(str, range(args.variants))]:
+        env = {**os.environ, "JAXFUSE_CACHE_DIR": cache, "JAXFUSE_SOLVER": "fused"}
+        env.pop("JAXFUSE_KERNEL_VARIANT", None)
+        if variant != "tuned":
+            env["JAXFUSE_KERNEL_VARIANT"] = variant
+        command = [sys.executable, "-P", os.path.abspath(__file__), "--child", variant,
+                   "--suite", *args.suite, "--batch", *map(str, args.batch),
+                   "--dtype", *args.dtype, "--only", args.only, "--sets", str(args.sets),
+                   "--platform", args.platform]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired as err:
+            print(f"variant {variant}: timed out after {args.timeout} s", file=sys.stderr)
+            out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        else:
+            out = done.stdout
+            if done.returncode != 0:
+                print(f"variant {variant}: exit {done.returncode}\n{done.stderr[-2000:]}",
+                      file=sys.stderr)
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only)}
+    print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "
+          f"{'% copy':>6} {'err':>8}")
+    for label, case in cases.items():
+        mine = [r for r in rows if r["case"] == label]
+        tuned = next((r for r in mine if r["variant"] == "tuned"), {})
+        seen = set()
+        for r in mine:
+            if "error" in r:
+                print(f"{label:<44} {r['variant']:>7} ERROR {r['error']}")
+                continue
+            if r["variant"] != "tuned" and r["tile"] in seen:
+                continue  # a clamped index repeats the last variant
+            seen.add(r["tile"])
+            nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
+            gbs = nbytes / (r["us"] * 1e-6) / 1e9
+            r.update(gbs=gbs, copy_fraction=gbs * 1e9 / copy)
+            xla = tuned.get("xla_us", float("nan")) if r["variant"] == "tuned" else float("nan")
+            print(f"{label:<44} {r['variant']:>7} {r['tile']!s:<18} {r['us']:8.1f} {xla:8.1f} "
+                  f"{gbs:7.0f} {100 * gbs * 1e9 / copy:6.1f} {r['rel_error_vs_xla']:8.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth": copy, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
