@@ -2,7 +2,7 @@
 # One call on the GPU machine: build (or reuse a carried build), then the sections asked for,
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
-#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency probe
+#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency probe cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS; MODEL_RUNS, a list of
@@ -14,11 +14,18 @@
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
 # is unchanged (its tree hash is stored beside it), so kernel edits always rebuild.
+# Reusing the kernel cache: the section `cache` (give it last) packs the kernel cache (kernels,
+# tuning and solver decisions) into $OUT/jaxfuse-cache.tgz; carried back as
+# .prebuilt/jaxfuse-cache.tgz it starts the next call warm. Its keys hold the kernel sources'
+# hash and the device, so entries of edited kernels are simply not found.
 set -uo pipefail
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export JAXFUSE_CACHE_DIR="/tmp/jaxfuse-cache"; rm -rf "$JAXFUSE_CACHE_DIR"
+if [[ -f .prebuilt/jaxfuse-cache.tgz ]]; then
+  tar xzf .prebuilt/jaxfuse-cache.tgz -C /tmp && echo "kernel cache: carried ($(du -sh "$JAXFUSE_CACHE_DIR" | cut -f1))"
+fi
 py=python3
 sections=" $* "
 has() { [[ $sections == *" $1 "* ]]; }
@@ -108,4 +115,7 @@ if has latency; then
     done
   done
   cat "$OUT/latency.log"
+fi
+if has cache; then
+  tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
 fi
