@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -42,6 +43,9 @@ class CompiledPlan:
     failures: tuple[tuple[str, str], ...] = ()  # why a candidate was dropped, by candidate
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
+    # Wall seconds compiling took, by step: "kernel" (generating, compiling and tuning the
+    # fused kernel, or finding it in the caches) and "choice" (measuring the candidates).
+    seconds: tuple[tuple[str, float], ...] = ()
 
     @property
     def uses_xla(self) -> bool:
@@ -60,6 +64,8 @@ class CompiledPlan:
             info["candidates_host_us"] = dict(self.host_us)
         if self.failures:
             info["failed"] = dict(self.failures)
+        if self.seconds:
+            info["compile_s"] = dict(self.seconds)
         return info
 
     def execute(self, x: Any, *params: Any) -> jax.Array:
@@ -127,6 +133,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     common = {"signature": signature, "platform": platform, "device_id": device.id, "mode": mode}
     if mode == XLA:
         return CompiledPlan(kernel=XLA, **common)
+    start = time.perf_counter()
     try:
         fused = _prepare(signature, device)
     except FusionError as err:
@@ -137,15 +144,18 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
                      signature.describe(), err)
         return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="fallback",
                             **common)
+    prepared = time.perf_counter()
     common.update(details=fused.details, fused_kernel=fused.label)
     if mode == "fused":
-        return CompiledPlan(kernel=fused.solver, **common)
+        return CompiledPlan(kernel=fused.solver, seconds=(("kernel", prepared - start),),
+                            **common)
     decision = find.choose(signature, device, fused)
+    seconds = (("kernel", prepared - start), ("choice", time.perf_counter() - prepared))
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
                         times_us=decision.times_us, device_us=decision.device_us,
                         host_us=decision.host_us,
                         failures=decision.failures,
-                        decided=decision.origin, **common)
+                        decided=decision.origin, seconds=seconds, **common)
 
 
 def _prepare(signature: PlanSignature, device: Any) -> FusedKernel:

@@ -109,9 +109,20 @@ std::string PlanEpilogue(const PlanSpec& spec) {
          "bn_epsilon);\n";
   }
   s << "    return t;\n  }\n"
+    << "  static constexpr bool kSide = " << (spec.has(PointwiseOp::kSideAdd) ? "true" : "false")
+    << ";\n"
     << "  // v: the convolution's accumulator (or the input value); param: index into\n"
     << "  // per-activation parameters; out: flat index of the output element.\n"
     << "  JF_DEVICE float apply(float v, const Channel& t, i64 param, i64 out) const {\n";
+  if (spec.has(PointwiseOp::kSideAdd)) {
+    s << "    return apply_side(v, t, param, Io::load(static_cast<const Io::type*>(p.side)[out]));\n";
+  } else {
+    s << "    return apply_side(v, t, param, 0.0f);\n";
+  }
+  s << "  }\n"
+    << "  // The same, with the side input's value z at this element already loaded (the\n"
+    << "  // tensor-core epilogues load it in 16-byte words, ahead of the arithmetic).\n"
+    << "  JF_DEVICE float apply_side(float v, const Channel& t, i64 param, float z) const {\n";
   if (spec.has_conv) s << "    v *= conv_alpha;\n";
   for (PointwiseOp op : spec.pointwise) {
     switch (op) {
@@ -125,7 +136,7 @@ std::string PlanEpilogue(const PlanSpec& spec) {
         }
         break;
       case PointwiseOp::kSideAdd:
-        s << "    v += side_alpha * Io::load(static_cast<const Io::type*>(p.side)[out]);\n";
+        s << "    v += side_alpha * z;\n";
         break;
       case PointwiseOp::kActivation:
         s << "    v = activate<" << spec.activation

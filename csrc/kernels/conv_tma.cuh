@@ -114,14 +114,46 @@ JF_DEVICE void multiply_stage(u32 stage, int consumer, float (&acc)[kBN / 2]) {
                                          kNBlockBytes);
 }
 
+// A consumer thread's chunks of one epilogue slice (64 rows x kEpiCols columns, 8 columns a
+// chunk, 128 threads).
+constexpr int kSliceChunks = 64 * (kEpiCols / 8) / 128;
+
+// The side input of this thread's chunks of slice kSlice (nothing past the slices, the rows or
+// the channels).
+template <int kSlice>
+JF_DEVICE void load_slice_side(const Epilogue& ep, int thread, i64 m_rows, int n0, i64 group,
+                               SideChunk (&side)[kSliceChunks]) {
+  if constexpr (Epilogue::kSide && kSlice < kBN / kEpiCols) {
+#pragma unroll
+    for (int i = 0; i < kSliceChunks; ++i) {
+      const int chunk = thread + 128 * i;
+      const i64 m = m_rows + chunk / (kEpiCols / 8);
+      const int k = n0 + kSlice * kEpiCols + chunk % (kEpiCols / 8) * 8;
+      if (m < M && k < KG) side[i] = load_side(ep, m, k, group);
+    }
+  }
+}
+
+// Side input is loaded a slice ahead (its latency overlapping the previous slice's work),
+// except beside 256-wide tiles' 128 accumulators, where holding any more words spilled
+// (ptxas, sm_90a): those load each chunk's words where they are used.
+constexpr bool kSideAhead = kBN < 256;
+
 // Slice kSlice of one consumer warpgroup's epilogue (columns kSlice * kEpiCols ..), then the
 // next: a compile-time recursion, so every accumulator index stays a constant (a run-time
-// loop over slices put the accumulators in local memory).
+// loop over slices put the accumulators in local memory). `ahead` holds the slice's side
+// input when kSideAhead.
 template <int kSlice>
 JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
-                            const Epilogue::Channel* terms, int barrier, int thread, i64 m_rows,
-                            int n0, i64 group, Io::type* y) {
+                            const Epilogue::Channel* terms, const SideChunk (&ahead)[kSliceChunks],
+                            int barrier, int thread, i64 m_rows, int n0, i64 group, Io::type* y) {
   if constexpr (kSlice < kBN / kEpiCols) {
+    SideChunk side[kSliceChunks], next[kSliceChunks];
+    if constexpr (kSideAhead) {
+#pragma unroll
+      for (int i = 0; i < kSliceChunks; ++i) side[i] = ahead[i];
+      load_slice_side<kSlice + 1>(ep, thread, m_rows, n0, group, next);
+    }
     const int lane = thread % 32, warp = thread / 32;
     // Accumulators -> staging. wgmma's layout: warp w owns rows 16w..16w+15; registers i, i + 1
     // (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4 (+ 8 when
@@ -133,7 +165,9 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
       *reinterpret_cast<float2*>(staging + row * kEpiPitch + col) = make_float2(acc[i], acc[i + 1]);
     }
     tma::sync_threads(barrier, 128);  // the slice (and the terms) are written
-    for (int chunk = thread; chunk < 64 * (kEpiCols / 8); chunk += 128) {
+#pragma unroll
+    for (int i = 0; i < kSliceChunks; ++i) {
+      const int chunk = thread + 128 * i;
       const int row = chunk / (kEpiCols / 8), col8 = chunk % (kEpiCols / 8);
       const i64 m = m_rows + row;
       const int k = n0 + kSlice * kEpiCols + col8 * 8;
@@ -141,10 +175,12 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
       const float4 lo = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8);
       const float4 hi = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8 + 4);
       const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      store_chunk(ep, v, terms + kSlice * kEpiCols + col8 * 8, m, k, group, y);
+      store_chunk(ep, v, terms + kSlice * kEpiCols + col8 * 8,
+                  kSideAhead ? side[i] : load_side(ep, m, k, group), m, k, group, y);
     }
     tma::sync_threads(barrier, 128);  // the slice is read: the next may overwrite it
-    store_slices<kSlice + 1>(ep, acc, staging, terms, barrier, thread, m_rows, n0, group, y);
+    store_slices<kSlice + 1>(ep, acc, staging, terms, next, barrier, thread, m_rows, n0, group,
+                             y);
   }
 }
 
@@ -152,8 +188,10 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
 JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
                           Epilogue::Channel* terms, int consumer, int thread, i64 m_rows, int n0,
                           i64 group, Io::type* y) {
+  SideChunk side[kSliceChunks];
+  if constexpr (kSideAhead) load_slice_side<0>(ep, thread, m_rows, n0, group, side);
   fill_terms<kBN, 128>(ep, terms, n0, group, thread);
-  store_slices<0>(ep, acc, staging, terms, 1 + consumer, thread, m_rows, n0, group, y);
+  store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, m_rows, n0, group, y);
 }
 
 // A consumer warpgroup: for each of this block's tiles, the multiply over every k-tile as its

@@ -68,17 +68,51 @@ JF_DEVICE i64 b_offset(i64 group, int tap, i64 c, i64 k) {
                         : (i64(tap) * CG + c) * K + group * KG + k;
 }
 
+// 16-byte words in a chunk of 8 values (one for 16-bit data, two for fp32).
+constexpr int kChunkVectors = 8 * static_cast<int>(sizeof(Io::type)) / 16;
+
+// The side input's 8 values of a chunk (see store_chunk), as loaded: one or two 16-byte words
+// rather than 8 scalar loads, so an epilogue can issue all of its chunks' loads before the
+// first is needed (every load's latency then overlaps the others' and the arithmetic). Empty
+// for plans without a side input.
+struct SideChunk {
+  Vec16 raw[Epilogue::kSide ? kChunkVectors : 1];
+  JF_DEVICE float value(int j) const {
+    if constexpr (!Epilogue::kSide) {
+      return 0.0f;
+    } else if constexpr (sizeof(Io::type) == 2) {
+      return Io::load(static_cast<u16>(raw[0].v[j / 2] >> (16 * (j % 2))));
+    } else {
+      return bits_to_float(raw[j / 4].v[j % 4]);
+    }
+  }
+};
+
+// The side input's chunk at output pixel m, channels [k, k + 8) of `group` (16-byte aligned:
+// the tensor-core kernels run only on aligned buffers).
+JF_DEVICE SideChunk load_side(const Epilogue& ep, i64 m, int k, i64 group) {
+  SideChunk side;
+  if constexpr (Epilogue::kSide) {
+    const Io::type* z = static_cast<const Io::type*>(ep.p.side) + m * K + group * KG + k;
+#pragma unroll
+    for (int i = 0; i < kChunkVectors; ++i) side.raw[i] = load16(z + i * (8 / kChunkVectors));
+  }
+  return side;
+}
+
 // Runs the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the group)
 // and writes them with 16-byte stores (one for 16-bit outputs, two for fp32). `terms` points
-// at channel k's epilogue terms.
+// at channel k's epilogue terms; `side` holds the side input's values there (load_side).
 JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
-                           i64 m, int k, i64 group, Io::type* y) {
-  constexpr int kVectors = 8 * static_cast<int>(sizeof(Io::type)) / 16;
+                           const SideChunk& side, i64 m, int k, i64 group, Io::type* y) {
+  constexpr int kVectors = kChunkVectors;
   const i64 out = m * K + group * KG + k;
   const i64 param = (m % (P * Q)) * K + group * KG + k;
   Io::type lanes[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) lanes[j] = Io::store(ep.apply(v[j], terms[j], param + j, out + j));
+  for (int j = 0; j < 8; ++j) {
+    lanes[j] = Io::store(ep.apply_side(v[j], terms[j], param + j, side.value(j)));
+  }
   Vec16 packed[kVectors];
 #pragma unroll
   for (int i = 0; i < 4 * kVectors; ++i) {
@@ -89,6 +123,11 @@ JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilog
   for (int i = 0; i < kVectors; ++i) store16(y + out + i * (8 / kVectors), packed[i]);
 }
 
+JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
+                           i64 m, int k, i64 group, Io::type* y) {
+  store_chunk(ep, v, terms, load_side(ep, m, k, group), m, k, group, y);
+}
+
 // Writes a finished tile: `tile` holds rows x cols fp32 results (row pitch `pitch` floats) for
 // output pixels m0.. and channels n0.. of `group`; every row goes out in 16-byte stores after
 // the plan's operator chain. `terms` holds the tile's per-channel epilogue terms.
@@ -96,15 +135,32 @@ template <int kRows, int kCols, int kPitch, int kThreads>
 JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
                           const Epilogue::Channel* terms, i64 m0, int n0, i64 group,
                           Io::type* y) {
-  for (int chunk = threadIdx.x; chunk < kRows * (kCols / 8); chunk += kThreads) {
-    const int row = chunk / (kCols / 8), col8 = chunk % (kCols / 8);
-    const i64 m = m0 + row;
-    const int k = n0 + col8 * 8;
-    if (m >= M || k >= KG) continue;
-    float v[8];
+  // Plans with a side input take a thread's chunks 4 at a time, the 4 chunks' loads first (in
+  // flight together); the others one at a time, in a loop the compiler keeps small.
+  constexpr int kChunks = kRows * (kCols / 8);
+  constexpr int kBatch = Epilogue::kSide ? 4 : 1;
+  for (int first = static_cast<int>(threadIdx.x); first < kChunks; first += kBatch * kThreads) {
+    SideChunk side[kBatch];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = tile[row * kPitch + col8 * 8 + j];
-    store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
+    for (int i = 0; i < kBatch; ++i) {
+      const int chunk = first + i * kThreads;
+      const int row = chunk / (kCols / 8), col8 = chunk % (kCols / 8);
+      if (chunk < kChunks && m0 + row < M && n0 + col8 * 8 < KG) {
+        side[i] = load_side(ep, m0 + row, n0 + col8 * 8, group);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int chunk = first + i * kThreads;
+      const int row = chunk / (kCols / 8), col8 = chunk % (kCols / 8);
+      const i64 m = m0 + row;
+      const int k = n0 + col8 * 8;
+      if (chunk >= kChunks || m >= M || k >= KG) continue;
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = tile[row * kPitch + col8 * 8 + j];
+      store_chunk(ep, v, terms + col8 * 8, side[i], m, k, group, y);
+    }
   }
 }
 

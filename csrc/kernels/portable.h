@@ -44,6 +44,20 @@ JF_DEVICE void store16(void* dst, const Vec16& v) {
 #endif
 }
 
+// One 16-byte load from global memory at `src` (16-byte aligned) that the kernel never writes,
+// as one instruction.
+JF_DEVICE Vec16 load16(const void* src) {
+#ifdef JF_HIP
+  return *reinterpret_cast<const Vec16*>(src);
+#else
+  Vec16 v;
+  asm("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3])
+      : "l"(src));
+  return v;
+#endif
+}
+
 // Two 16-bit values as one 32-bit word, `lo` at the lower address.
 JF_DEVICE u32 pack_halves(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
 JF_DEVICE u32 pack_halves(float, float) { return 0; }  // (never called: generic code)

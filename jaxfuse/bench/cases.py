@@ -31,7 +31,10 @@ class BenchCase:
 
     @property
     def ops(self) -> str:
-        return self.chain if self.layer.activation else self.chain.replace("A", "")
+        chain = self.chain
+        if self.layer.residual and "S" not in chain:  # the add goes before the activation
+            chain = chain.replace("A", "SA") if "A" in chain else chain + "S"
+        return chain if self.layer.activation else chain.replace("A", "")
 
     @property
     def filter_layout(self) -> str:
@@ -61,13 +64,16 @@ class BenchCase:
                 ops["B"] = plan.add_bias_forward(TensorDesc((L.k,), "float32"))
             elif letter == "N":
                 ops["N"] = plan.add_batchnorm_inference("spatial")
+            elif letter == "S":
+                ops["S"] = plan.add_side_input_add()
             elif letter == "A":
                 ops["A"] = plan.add_activation_forward(L.activation)
         plan.compile(device, solver=solver)
         return plan, ops
 
     def arg_sets(self, count: int, device: Any, seed: int = 0) -> list[tuple[Any, ...]]:
-        """`count` distinct (x, w, bias, scale, shift, mean, var) sets on `device`."""
+        """`count` distinct (x, w, bias, scale, shift, mean, var, z) sets on `device`; z, the
+        residual, is output-shaped where the chain adds one (else one unused value)."""
         L = self.layer
         rng = np.random.default_rng(seed)
         sets = []
@@ -78,12 +84,15 @@ class BenchCase:
             b, shift, mean = (rng.standard_normal(L.k, np.float32) * 0.1 for _ in range(3))
             scale = rng.uniform(0.5, 1.5, L.k).astype(np.float32)
             var = rng.uniform(0.5, 2.0, L.k).astype(np.float32)
-            arrays = (x.astype(self.dtype), w.astype(self.dtype), b, scale, shift, mean, var)
+            z = (rng.standard_normal(self.shape(L.k, L.out_hw()), np.float32) if "S" in self.ops
+                 else np.zeros(1, np.float32))
+            arrays = (x.astype(self.dtype), w.astype(self.dtype), b, scale, shift, mean, var,
+                      z.astype(self.dtype))
             sets.append(tuple(jax.device_put(a, device) for a in arrays))
         return sets
 
     def fused(self, plan: FusionPlan, ops: dict[str, Any]) -> Callable[..., Any]:
-        def run(x, w, b, scale, shift, mean, var):
+        def run(x, w, b, scale, shift, mean, var, z):
             args = OperatorArgs()
             if "C" in ops:
                 args.set_conv_forward(ops["C"], w)
@@ -91,6 +100,8 @@ class BenchCase:
                 args.set_bias_forward(ops["B"], b)
             if "N" in ops:
                 args.set_batchnorm_inference(ops["N"], scale, shift, mean, var, EPSILON)
+            if "S" in ops:
+                args.set_side_input_add(ops["S"], z)
             if "A" in ops:
                 args.set_activation_forward(ops["A"])
             return plan.execute(x, args)
@@ -107,7 +118,7 @@ class BenchCase:
         def per_channel(v):
             return v.astype(dt).reshape(shape)
 
-        def run(x, w, b, scale, shift, mean, var):
+        def run(x, w, b, scale, shift, mean, var, z):
             y = x
             for letter in self.ops:
                 if letter == "C":
@@ -120,6 +131,8 @@ class BenchCase:
                 elif letter == "N":
                     inv = per_channel(scale * lax.rsqrt(var + EPSILON))
                     y = (y - per_channel(mean)) * inv + per_channel(shift)
+                elif letter == "S":
+                    y = y + z
                 elif letter == "A":
                     y = jax.nn.relu6(y) if L.activation == "clipped_relu" else jax.nn.relu(y)
             return y

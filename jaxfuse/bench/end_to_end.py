@@ -110,7 +110,8 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
             continue
         programs[mode] = fused
         if mode == "auto":  # which chains run fused, which XLA's, and the measured times
-            print(f"{model_name} N={batch} {dtype}:\n{report.summary()}", file=sys.stderr)
+            print(f"{model_name} N={batch} {dtype}:\n{report.summary()}\n"
+                  f"{_slowest_plans(report)}", file=sys.stderr)
         row.update({
             f"{mode}_fused_groups": len(report.fused), f"{mode}_to_xla": len(report.to_xla),
             f"{mode}_left_alone": len(report.left_alone),
@@ -133,6 +134,17 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
         if "auto" in kernels:
             print(_kernel_diff(kernels["plain"], kernels["auto"]), file=sys.stderr)
     return row
+
+
+def _slowest_plans(report: Any, top: int = 5) -> str:
+    """The distinct plans that took longest to compile (kernel, then choice), one line each."""
+    seconds: dict[str, dict[str, float]] = {}
+    for g in (*report.fused, *report.to_xla):
+        seconds.setdefault(g.kernel, dict(g.compile_s))
+    lines = [f"  slowest of {len(seconds)} plans to compile (kernel + choice, s):"]
+    for kernel, s in sorted(seconds.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
+        lines.append(f"    {s.get('kernel', 0):6.2f} + {s.get('choice', 0):6.2f}  {kernel[:90]}")
+    return "\n".join(lines)
 
 
 def _kernel_diff(plain: dict[str, float], auto: dict[str, float], top: int = 12) -> str:

@@ -21,6 +21,7 @@ class Layer:
     groups: int = 1
     activation: str | None = "relu"  # None: the chain ends before the activation
     count: int = 1  # how often the network runs this shape (network-weighted totals)
+    residual: bool = False  # a residual add before the activation (a ResNet block's tail)
 
     @property
     def has_conv(self) -> bool:
@@ -39,7 +40,7 @@ class Layer:
     def min_bytes(self, n: int, itemsize: int) -> int:
         """Each input read once, the output written once (parameters are negligible)."""
         x = n * self.c * self.hw * self.hw
-        y = n * self.k * self.out_hw() ** 2
+        y = n * self.k * self.out_hw() ** 2 * (2 if self.residual else 1)  # and the residual
         w = self.k * (self.c // self.groups) * self.r * self.r if self.has_conv else 0
         return (x + y + w) * itemsize
 
@@ -84,6 +85,15 @@ RESNET50_NET = [
     Layer("r50n_7_3x3_512", 512, 512, 7, 3, 1, 1, count=2),
 ]
 
+# ResNet-50's block tails: the last 1x1 convolution of every bottleneck, its batch norm, the
+# residual add and the relu (conv -> bn -> add -> relu, 16 of the network's 53 chains).
+RESNET50_TAILS = [
+    Layer("r50t_56_64_256", 64, 256, 56, count=3, residual=True),
+    Layer("r50t_28_128_512", 128, 512, 28, count=4, residual=True),
+    Layer("r50t_14_256_1024", 256, 1024, 14, count=6, residual=True),
+    Layer("r50t_7_512_2048", 512, 2048, 7, count=3, residual=True),
+]
+
 # MobileNet (v1/v2-style) depthwise 3x3 layers.
 MOBILENET = [
     Layer("mb_dw_112_32", 32, 32, 112, 3, 1, 1, 32),
@@ -124,5 +134,6 @@ NA = [
     Layer("NA_C1024_H14", 1024, 1024, 14, 0),
 ]
 
-SUITES = {"resnet50": RESNET50, "resnet50_net": RESNET50_NET, "mobilenet": MOBILENET,
+SUITES = {"resnet50": RESNET50, "resnet50_net": RESNET50_NET, "resnet50_tails": RESNET50_TAILS,
+          "mobilenet": MOBILENET,
           "mobilenetv2": MOBILENETV2, "na": NA}

@@ -41,6 +41,7 @@ class FusedGroup:
       solver: what runs it: the fused kernel (``"conv_wgmma"``, ``"cpu"``, ...) or ``"xla"``.
       times_us: measured microseconds per run, by candidate (``"fused"``, ``"xla"``); empty
         when the solver was forced rather than measured.
+      compile_s: wall seconds compiling its plan took, by step (``kernel_info["compile_s"]``).
     """
 
     ops: tuple[str, ...]
@@ -51,6 +52,7 @@ class FusedGroup:
     stopped: str | None
     solver: str = ""
     times_us: tuple[tuple[str, float], ...] = ()
+    compile_s: tuple[tuple[str, float], ...] = ()
 
     @property
     def saved_us(self) -> float | None:
@@ -203,7 +205,8 @@ def _describe_group(scope: str, group: Group, solver: str) -> FusedGroup:
     info = plan.kernel_info
     return FusedGroup(tuple(ops), group.letters, plan.signature.describe(),
                       _where(group.conv.eqn), scope, group.stop, solver,
-                      tuple(info.get("candidates_us", {}).items()))
+                      tuple(info.get("candidates_us", {}).items()),
+                      tuple(info.get("compile_s", {}).items()))
 
 
 def _saved(values: Any) -> str:
