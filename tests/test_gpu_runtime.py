@@ -78,6 +78,11 @@ _VARIANTS_CHILD = textwrap.dedent("""
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
     NCHW = dict(layout="NCHW", filter_layout="OIHW")
     for case in [Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NHWC),
+                 # The side input beside 256-wide tiles (loaded per chunk) and narrower ones
+                 # (loaded a slice ahead), and in fp32 (TF32 kernel: two words a chunk).
+                 Case(ops="CBNSA", c=128, k=512, n=8, h=28, w=28, r=1, s=1, padding="VALID",
+                      dtype="bfloat16", **NHWC),
+                 Case(ops="CBNSA", c=64, k=72, n=2, h=9, w=11, dtype="float32", **NHWC),
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NHWC),
                  Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
                       dtype="float16", layout="NHWC", filter_layout="OHWI"),
