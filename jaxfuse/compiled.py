@@ -44,7 +44,9 @@ class CompiledPlan:
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
     # Wall seconds compiling took, by step: "kernel" (generating, compiling and tuning the
-    # fused kernel, or finding it in the caches) and "choice" (measuring the candidates).
+    # fused kernel, or finding it in the caches) and "choice" (measuring the candidates);
+    # plans compiled concurrently (jaxfuse.fuse) include their waits for each other's
+    # measurements, which take the device one at a time.
     seconds: tuple[tuple[str, float], ...] = ()
 
     @property

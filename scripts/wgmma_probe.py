@@ -51,7 +51,7 @@ __global__ void probe(const u16* a, const u16* b, float* d, int mn_major, u32 lb
     const u64 da = wgmma::descriptor(a0 + 32 * j, 16, 1024);
     const u64 db = mn_major ? wgmma::descriptor(b0 + kstep_b * j, lbo, sbo)
                             : wgmma::descriptor(b0 + 32 * j, 16, 1024);
-    wgmma::mma_64xNx16(acc, da, db);
+    wgmma::mma_64xN(acc, da, db);
   }
   wgmma::commit();
   wgmma::wait<0>();

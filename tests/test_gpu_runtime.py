@@ -83,6 +83,11 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNSA", c=128, k=512, n=8, h=28, w=28, r=1, s=1, padding="VALID",
                       dtype="bfloat16", **NHWC),
                  Case(ops="CBNSA", c=64, k=72, n=2, h=9, w=11, dtype="float32", **NHWC),
+                 # fp32 on the Hopper wgmma kernel (TF32): HWIO filters transposed as they
+                 # load (wide and narrow tiles), K-major OHWI ones (split-K at this size).
+                 Case(ops="CBNA", c=128, k=256, n=8, h=14, w=14, dtype="float32", **NHWC),
+                 Case(ops="CBA", c=64, k=128, n=1, h=7, w=7, r=1, s=1, padding="VALID",
+                      dtype="float32", layout="NHWC", filter_layout="OHWI"),
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NHWC),
                  Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
                       dtype="float16", layout="NHWC", filter_layout="OHWI"),

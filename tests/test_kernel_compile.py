@@ -252,8 +252,9 @@ def _resnet50() -> list:
     return SUITES["resnet50"]
 
 
-# fp32 through TF32 on the implicit-GEMM kernel (JAXFUSE_TF32_KERNELS=0 turns it off): every
-# filter layout it reads, each tile, strides, dilation, groups.
+# fp32 through TF32 on the implicit-GEMM kernels (JAXFUSE_TF32_KERNELS=0 turns them off): every
+# filter layout they read, each tile, strides, dilation, groups. On sm_90, NHWC plans with 32k
+# input channels per group take the wgmma kernel (HWIO filters transposed as they load).
 TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout=layout, filter_layout=fl, c=c, k=k,
                    n=n, h=hw, w=hw, strides=st, dilation=dl, groups=gr)
               for layout, fl in (("NHWC", "HWIO"), ("NHWC", "OHWI"), ("NCHW", "OIHW"),
@@ -277,7 +278,8 @@ def test_fp32_plans_compile_on_the_tf32_kernel(case: Case, arch: str, monkeypatc
     assert extension().gpu_compile_only("CUDA", encoded, arch)["solver"] == "conv_direct"
     monkeypatch.delenv("JAXFUSE_TF32_KERNELS")
     out = extension().gpu_compile_only("CUDA", encoded, arch)
-    assert out["solver"] == "conv_igemm"
+    hopper = arch == "sm_90" and case.layout == "NHWC" and (case.c // case.groups) % 32 == 0
+    assert out["solver"] == ("conv_wgmma" if hopper else "conv_igemm")
     for variant in range(1, out["variants"]):
         assert extension().gpu_compile_only("CUDA", encoded, arch,
                                             variant=variant)["binary_bytes"] > 0

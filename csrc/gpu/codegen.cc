@@ -269,10 +269,17 @@ struct WgmmaTile {
   }
 };
 
+// Values of the plan's dtype in a 128-byte k-tile row of the Hopper kernels: 64 16-bit ones,
+// 32 fp32 ones (TF32).
+int HopperKTile(const PlanSpec& spec) { return spec.dtype == DType::kF32 ? 32 : 64; }
+
 bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
-  return IgemmApplies(spec, device) && spec.dtype != DType::kF32 && device.arch == "sm_90" &&
-         (spec.c / g.groups) % 64 == 0;
+  // fp32 (TF32, where IgemmApplies allows it): NHWC, whose rows of A are copied 16 bytes at
+  // a time (NCHW's gathered rows are written for 16-bit values).
+  const bool dtype_ok = spec.dtype != DType::kF32 || spec.layout == Layout::kNHWC;
+  return IgemmApplies(spec, device) && dtype_ok && device.arch == "sm_90" &&
+         (spec.c / g.groups) % HopperKTile(spec) == 0;
 }
 
 // A tile with as many CTAs per multiprocessor as shared memory and registers allow.
@@ -287,7 +294,7 @@ WgmmaTile MakeWgmmaTile(int bm, int bn, int stages) {
 WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
-  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / HopperKTile(spec);
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
   auto ctas = [&](int bm, int bn) {
     return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
@@ -309,7 +316,7 @@ WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
 std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t kg = g.k / g.groups;
-  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / HopperKTile(spec);
   std::vector<WgmmaTile> all = {ChooseWgmmaTile(spec, device)};
   // Deep pipelines for long reductions, wide tiles for wide outputs, small ones for small M.
   const int deep = static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 6));
@@ -381,8 +388,11 @@ std::pair<int64_t, int64_t> CornerBox(int64_t in, int64_t out, int64_t stride, i
 }
 
 bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
-  // The im2col map walks NHWC pixels (channels innermost).
-  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC) return false;
+  // The im2col map walks NHWC pixels (channels innermost); 16-bit values (conv_tma.cuh).
+  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC ||
+      spec.dtype == DType::kF32) {
+    return false;
+  }
   const ConvGeometry& g = spec.conv;
   const bool k_major = g.filter_layout != FilterLayout::kHWIO;
   if (k_major && g.filter_layout == FilterLayout::kOIHW && (g.r != 1 || g.s != 1)) return false;
@@ -745,21 +755,24 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
 
 std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
   const int regs = n / 2;
-  const char* type = dtype == 2 ? "bf16" : "f16";
+  const bool tf32 = dtype == 0;
+  const char* type = tf32 ? "tf32" : dtype == 2 ? "bf16" : "f16";
   Text s;
   s << "namespace jaxfuse {\nnamespace wgmma {\n"
-    << "JF_DEVICE void mma_64xNx16(float (&d)[" << regs << "], u64 a, u64 b) {\n"
+    << "JF_DEVICE void mma_64xN(float (&d)[" << regs << "], u64 a, u64 b) {\n"
     << "  asm volatile(\n"
     << "      \"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
-    << "      \"wgmma.mma_async.sync.aligned.m64n" << n << "k16.f32." << type << "." << type
-    << " {\"\n      \"";
+    << "      \"wgmma.mma_async.sync.aligned.m64n" << n << (tf32 ? "k8" : "k16") << ".f32." << type
+    << "." << type << " {\"\n      \"";
   for (int i = 0; i < regs; ++i) {
     s << "%" << i << (i + 1 < regs ? ", " : "");
     if (i % 16 == 15 && i + 1 < regs) s << "\"\n      \"";
   }
-  // scale-d = p (accumulate), scale-a = scale-b = 1, A K-major, B transposed when MN-major.
-  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1, 0, " << (b_mn_major ? 1 : 0)
-    << ";\\n}\\n\"\n      : ";
+  // scale-d = p (accumulate), scale-a = scale-b = 1, A K-major, B transposed when MN-major
+  // (TF32 takes no transpose operands: both K-major).
+  s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1";
+  if (!tf32) s << ", 0, " << (b_mn_major ? 1 : 0);
+  s << ";\\n}\\n\"\n      : ";
   for (int i = 0; i < regs; ++i) {
     s << "\"+f\"(d[" << i << "])" << (i + 1 < regs ? ", " : "");
     if (i % 8 == 7 && i + 1 < regs) s << "\n        ";
@@ -834,7 +847,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
     const int64_t blocks = ((m + tile.bm - 1) / tile.bm) * ((kg + tile.bn - 1) / tile.bn) *
                            g.groups * tile.splits;
-    const int dtype = spec.dtype == DType::kBF16 ? 2 : 1;
+    const int dtype = spec.dtype == DType::kBF16 ? 2 : spec.dtype == DType::kF16 ? 1 : 0;
     out.solver = "conv_wgmma";
     out.tile = std::to_string(tile.bm) + "x" + std::to_string(tile.bn) + " s" +
                std::to_string(tile.stages) + " b" + std::to_string(tile.min_blocks) +

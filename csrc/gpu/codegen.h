@@ -52,10 +52,11 @@ struct GeneratedKernel {
   std::vector<EntryPoint> entries;   // fastest first; the last one applies to any alignment
 };
 
-// The device function `jaxfuse::wgmma::mma_64xNx16(float (&d)[N / 2], u64 a, u64 b)` for one
-// tile width N, dtype (1 fp16, 2 bf16) and B major-ness: d += A (64x16) * B (16xN), both from
-// shared-memory descriptors (see csrc/kernels/wgmma.h). Its operand list has N / 2 registers,
-// so it is generated rather than written out for every N.
+// The device function `jaxfuse::wgmma::mma_64xN(float (&d)[N / 2], u64 a, u64 b)` for one
+// tile width N, dtype (1 fp16, 2 bf16, 0 fp32 as TF32) and B major-ness: d += A (64x16) *
+// B (16xN) (64x8 * 8xN for TF32, B K-major), both from shared-memory descriptors (see
+// csrc/kernels/wgmma.h). Its operand list has N / 2 registers, so it is generated rather than
+// written out for every N.
 std::string WgmmaFunction(int n, int dtype, bool b_mn_major);
 
 // How many variants (tile configurations) of the plan's kernel there are to choose from;

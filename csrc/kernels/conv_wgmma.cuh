@@ -1,12 +1,18 @@
 // Implicit-GEMM convolution on Hopper (sm_90a) with warpgroup MMA: fp16/bf16 NHWC or NCHW
-// activations, fp32 accumulation. Each warpgroup (4 warps) owns 64 output pixels x kBN output
-// channels.
+// activations, or fp32 NHWC ones through TF32; fp32 accumulation. Each warpgroup (4 warps)
+// owns 64 output pixels x kBN output channels.
 //
-// Per k-tile (one filter tap, 64 consecutive input channels) every thread copies its share of
-// A and B into a 128-byte-swizzled shared-memory stage with cp.async (zero-filling padding);
-// the warpgroups then issue four asynchronous 64 x kBN x 16 multiplies reading both operands
-// from shared memory through descriptors (wgmma.h), and the copies for a later k-tile overlap
-// them. The epilogue stages the fp32 tile through shared memory (implicit_gemm.h: store_tile).
+// Per k-tile (one filter tap, 128 bytes of consecutive input channels: 64 16-bit ones or 32
+// fp32 ones) every thread copies its share of A and B into a 128-byte-swizzled shared-memory
+// stage with cp.async (zero-filling padding); the warpgroups then issue four asynchronous
+// 64 x kBN x 16 (TF32: x 8) multiplies reading both operands from shared memory through
+// descriptors (wgmma.h), and the copies for a later k-tile overlap them. The epilogue stages
+// the fp32 tile through shared memory (implicit_gemm.h: store_tile).
+//
+// TF32 (fp32 plans whose precision allows it, as lax's default does on this GPU): wgmma reads
+// fp32 values from shared memory as TF32 (their low 13 mantissa bits ignored) and takes both
+// operands K-major only, so HWIO filters ([kk][k], k contiguous) are transposed on their way
+// in: 4-byte copies, each into its K-major place (load_b).
 //
 // NCHW (implicit_gemm.h: gather_planes): A's rows are gathered value by value into registers,
 // the loads for k-tile kt + kStages - 1 issued before k-tile kt's multiply and written to their
@@ -34,7 +40,9 @@ namespace hopper {
 using namespace plan;
 using namespace implicit_gemm;
 
-constexpr int kBK = 64;  // 16-bit values in one 128-byte swizzle row
+constexpr bool kTf32 = sizeof(Io::type) == 4;
+constexpr int kBK = 128 / static_cast<int>(sizeof(Io::type));  // values in one swizzle row
+constexpr int kChunkValues = kBK / 8;                           // values in a 16-byte chunk
 constexpr int kWarpGroups = kBM / 64;
 constexpr int kThreads = kWarpGroups * 128;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
@@ -59,6 +67,9 @@ static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kAChunks * kColStep == 8, "NCHW: a thread's chunks cover its columns");
 static_assert(!kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per filter tap");
+static_assert(!kTf32 || kNHWC, "TF32: NHWC activations (NCHW gathers 16-bit values)");
+// TF32 with [kk][k] filters: the 4-byte copies of B's transpose, per thread per stage.
+constexpr int kBWords = kTf32 && !kFiltersKMajor ? kBN * kBK / kThreads : 0;
 static_assert(kStages * kStageBytes + 1024 <= kSmemBytes &&
               kBM * kCPitch * 4 + 1024 <= kSmemBytes, "shared memory budget");
 
@@ -70,39 +81,70 @@ JF_DEVICE void load_a(const Io::type* x, u32 sa, const PixelRow (&rows)[kAChunks
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    const int row = chunk / 8, col8 = chunk % 8;
-    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col8 * 8);
-    mma::copy16_async(sa + wgmma::swizzled_offset(row, col8 * 8), src ? src : x, src);
+    const int row = chunk / 8, col = chunk % 8;
+    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col * kChunkValues);
+    mma::copy16_async(sa + wgmma::swizzled_chunk(row, col), src ? src : x, src);
   }
 }
 
-// NCHW: A's chunks of k-tile kt into registers, and from registers into stage `sa`.
-JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, u32 taps, int kt, i64 channel0,
-                        int tid, Io::type (&v)[kAChunks * 8]) {
-  gather_planes<kAChunks, kColStep>(x, row, taps, kt * kBK, channel0, tid / kBM, v);
+// NCHW: A's chunks of k-tile kt into registers, and from registers into stage `sa`. Templates
+// on the value type, so TF32 plans, which never gather, do not instantiate the 16-bit code.
+template <typename T>
+JF_DEVICE void gather_a(const T* x, const PixelRow& row, u32 taps, int kt, i64 channel0, int tid,
+                        T (&v)[kAChunks * 8]) {
+  if constexpr (kGatherA && sizeof(T) == 2) {
+    gather_planes<kAChunks, kColStep>(x, row, taps, kt * kBK, channel0, tid / kBM, v);
+  }
 }
 
-JF_DEVICE void store_a(u32 sa, int tid, const Io::type (&v)[kAChunks * 8]) {
-  const int row = tid % kBM;
+template <typename T>
+JF_DEVICE void store_a(u32 sa, int tid, const T (&v)[kAChunks * 8]) {
+  if constexpr (kGatherA && sizeof(T) == 2) {
+    const int row = tid % kBM;
 #pragma unroll
-  for (int i = 0; i < kAChunks; ++i) {
-    const int col8 = tid / kBM + i * kColStep;
-    mma::store16_shared(sa + wgmma::swizzled_offset(row, col8 * 8), pack_chunk(v + i * 8));
+    for (int i = 0; i < kAChunks; ++i) {
+      const int col8 = tid / kBM + i * kColStep;
+      mma::store16_shared(sa + wgmma::swizzled_offset(row, col8 * 8), pack_chunk(v + i * 8));
+    }
   }
 }
 
 JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int tid) {
   const int kk0 = kt * kBK;
   const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+  if constexpr (kBWords > 0) {
+    // TF32, [kk][k] filters, stored K-major: a warp copies 8 output channels x 4 reduction
+    // values at a time, so its reads are four 32-byte runs of filter rows and its writes fill
+    // 32 distinct banks (row n's chunk kk / 4 sits at chunk (kk / 4) ^ (n % 8)). Warp w takes
+    // the 8-channel groups w, w + kWarps, ... of every 4-value group q: each copy's offsets
+    // from the thread's first are compile-time constants.
+    constexpr int kWarps = kThreads / 32, kGroups = kBN / 8;
+    static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
+    const int lane = tid % 32, warp = tid / 32;
+    const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
+    const Io::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
+    const u32 dst = sb + n_first * 128u + kk_first * 4u;
+#pragma unroll
+    for (int q = 0; q < kBK / 4; ++q) {
+      const u32 chunk = (static_cast<u32>(q) ^ static_cast<u32>(lane % 8)) << 4;
+#pragma unroll
+      for (int j = 0; j < kGroups / kWarps; ++j) {
+        const bool ok = n0 + n_first + j * kWarps * 8 < KG;
+        mma::copy4_async(dst + j * kWarps * 8 * 128 + chunk,
+                         ok ? src + i64(q) * 4 * K + j * kWarps * 8 : w, ok);
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < kBChunks; ++i) {
     const int chunk = tid + i * kThreads;
     int k, c;
     u32 dst;
-    if (kFiltersKMajor) {  // K-major rows: one output channel, 64 input channels
-      const int row = chunk / 8, col8 = chunk % 8;
-      k = n0 + row, c = c0 + col8 * 8;
-      dst = sb + wgmma::swizzled_offset(row, col8 * 8);
+    if (kFiltersKMajor) {  // K-major rows: one output channel, kBK input channels
+      const int row = chunk / 8, col = chunk % 8;
+      k = n0 + row, c = c0 + col * kChunkValues;
+      dst = sb + wgmma::swizzled_chunk(row, col);
     } else {  // MN-major rows: one input channel, 64 output channels per block
       const int krow = chunk / (kBN / 8), n8 = chunk % (kBN / 8);
       k = n0 + n8 * 8, c = c0 + krow;
@@ -121,8 +163,8 @@ JF_DEVICE void load_stage(const Io::type* x, const Io::type* w, u32 stage,
 
 // One stage: this warpgroup's 64 rows of A times all kBN columns of B.
 JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
-  wgmma::multiply_k_tile<kFiltersKMajor>(acc, stage + warpgroup * 64 * 128, stage + kATileBytes,
-                                         kNBlockBytes);
+  wgmma::multiply_k_tile<kFiltersKMajor || kTf32>(acc, stage + warpgroup * 64 * 128,
+                                                  stage + kATileBytes, kNBlockBytes);
 }
 
 }  // namespace hopper

@@ -25,6 +25,11 @@ JF_DEVICE void copy16_async(u32 dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// The same for 4 bytes (through L1: the 16-byte-only .cg form does not take them).
+JF_DEVICE void copy4_async(u32 dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
 // Stores 16 bytes from registers at a (16-byte aligned) shared-memory address.
 JF_DEVICE void store16_shared(u32 dst, const Vec16& v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.v[0]), "r"(v.v[1]),

@@ -1,12 +1,14 @@
-// Hopper warpgroup matrix multiply (wgmma, sm_90a): four warps multiply a 64 x N x 16 tile with
-// both operands read straight from shared memory through matrix descriptors, asynchronously.
+// Hopper warpgroup matrix multiply (wgmma, sm_90a): four warps multiply a 64 x N x 16 tile
+// (64 x N x 8 for TF32) with both operands read straight from shared memory through matrix
+// descriptors, asynchronously.
 //
 // Shared-memory tiles use the 128-byte swizzle: a tile is built from 1024-byte atoms of
 // 8 rows x 128 bytes, and the 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Atoms
 // must start on 1024-byte boundaries.
-//  - K-major operand (A always; B when the filters are [k][kk]): row = an M (or N) index,
-//    128 bytes = 64 consecutive 16-bit K values. Consecutive 8-row groups are 1024 bytes apart
-//    (the descriptor's stride byte offset); one k16 step = 32 bytes further along the row.
+//  - K-major operand (A always; B when the filters are [k][kk], and always for TF32, whose
+//    wgmma cannot transpose): row = an M (or N) index, 128 bytes = 64 consecutive 16-bit K
+//    values (32 fp32 ones). Consecutive 8-row groups are 1024 bytes apart (the descriptor's
+//    stride byte offset); one k-step (k16, or k8 TF32) = 32 bytes further along the row.
 //  - MN-major B (filters stored [kk][k], k contiguous): row = one K index, 128 bytes = 64
 //    consecutive N values; 8-row K groups 1024 bytes apart (stride byte offset), 64-wide N
 //    blocks `n_block_bytes` apart (leading byte offset); one k16 step = 2048 bytes.
@@ -20,6 +22,10 @@ namespace wgmma {
 // Byte offset of 16-bit element (row, col) in a 128-byte-swizzled tile of 64-element rows.
 JF_DEVICE u32 swizzled_offset(u32 row, u32 col) {
   return row * 128u + ((((col >> 3) ^ row) & 7u) << 4) + (col & 7u) * 2u;
+}
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128-byte-swizzled tile.
+JF_DEVICE u32 swizzled_chunk(u32 row, u32 chunk) {
+  return row * 128u + (((chunk ^ row) & 7u) << 4);
 }
 
 // The 64-bit shared-memory matrix descriptor (128-byte swizzle).
@@ -64,10 +70,11 @@ JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
   return v;
 }
 
-// One 64-deep k-tile of a warpgroup's multiply, as four k16 steps: 64 rows of A (K-major,
-// 128-byte swizzled rows at `a`) times the N columns of B at `b`, stored K-major (rows of 64
-// K values) or MN-major (64-wide blocks of N, `n_block_bytes` apart). mma_64xNx16 is generated
-// for each kernel's N (codegen.cc: WgmmaFunction).
+// One k-tile (128 bytes of K: 64 16-bit values, or 32 fp32 ones) of a warpgroup's multiply, as
+// four k-steps: 64 rows of A (K-major, 128-byte swizzled rows at `a`) times the N columns of B
+// at `b`, stored K-major (rows of K values) or MN-major (16-bit only: 64-wide blocks of N,
+// `n_block_bytes` apart). mma_64xN, one k-step, is generated for each kernel's N and dtype
+// (codegen.cc: WgmmaFunction).
 template <bool kBKMajor, int kRegs>
 JF_DEVICE void multiply_k_tile(float (&acc)[kRegs], u32 a, u32 b, u32 n_block_bytes) {
 #pragma unroll
@@ -75,7 +82,7 @@ JF_DEVICE void multiply_k_tile(float (&acc)[kRegs], u32 a, u32 b, u32 n_block_by
     const u64 da = descriptor(a + 32 * j, 16, 1024);
     const u64 db = kBKMajor ? descriptor(b + 32 * j, 16, 1024)
                             : descriptor(b + 2048 * j, n_block_bytes, 1024);
-    mma_64xNx16(acc, da, db);
+    mma_64xN(acc, da, db);
   }
 }
 

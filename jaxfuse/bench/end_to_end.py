@@ -141,7 +141,8 @@ def _slowest_plans(report: Any, top: int = 5) -> str:
     seconds: dict[str, dict[str, float]] = {}
     for g in (*report.fused, *report.to_xla):
         seconds.setdefault(g.kernel, dict(g.compile_s))
-    lines = [f"  slowest of {len(seconds)} plans to compile (kernel + choice, s):"]
+    lines = [f"  slowest of {len(seconds)} plans to compile (kernel + choice, wall s, waits "
+             "for other plans' measurements included):"]
     for kernel, s in sorted(seconds.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
         lines.append(f"    {s.get('kernel', 0):6.2f} + {s.get('choice', 0):6.2f}  {kernel[:90]}")
     return "\n".join(lines)
