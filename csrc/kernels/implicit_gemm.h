@@ -105,7 +105,6 @@ JF_DEVICE SideChunk load_side(const Epilogue& ep, i64 m, int k, i64 group) {
 // at channel k's epilogue terms; `side` holds the side input's values there (load_side).
 JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
                            const SideChunk& side, i64 m, int k, i64 group, Io::type* y) {
-  constexpr int kVectors = kChunkVectors;
   const i64 out = m * K + group * KG + k;
   const i64 param = (m % (P * Q)) * K + group * KG + k;
   Io::type lanes[8];
@@ -113,14 +112,14 @@ JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilog
   for (int j = 0; j < 8; ++j) {
     lanes[j] = Io::store(ep.apply_side(v[j], terms[j], param + j, side.value(j)));
   }
-  Vec16 packed[kVectors];
+  Vec16 packed[kChunkVectors];
 #pragma unroll
-  for (int i = 0; i < 4 * kVectors; ++i) {
+  for (int i = 0; i < 4 * kChunkVectors; ++i) {
     packed[i / 4].v[i % 4] = sizeof(Io::type) == 2 ? pack_halves(lanes[2 * i], lanes[2 * i + 1])
                                                    : float_to_bits(lanes[i]);
   }
 #pragma unroll
-  for (int i = 0; i < kVectors; ++i) store16(y + out + i * (8 / kVectors), packed[i]);
+  for (int i = 0; i < kChunkVectors; ++i) store16(y + out + i * (8 / kChunkVectors), packed[i]);
 }
 
 JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilogue::Channel* terms,
