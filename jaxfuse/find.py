@@ -203,4 +203,5 @@ def _environment_key(device_kind: str, platform: str) -> str:
 
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     environment = _environment_key(device.device_kind, device.platform.lower())
-    return f"jaxfuse-solver-v2|{environment}|{fused.label}|{signature.encode()}"
+    # v3: launch work timed with earlier outputs alive (measure.Harness.run); v2's was low.
+    return f"jaxfuse-solver-v3|{environment}|{fused.label}|{signature.encode()}"
