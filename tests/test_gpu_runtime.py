@@ -172,6 +172,17 @@ _TMA_CHILD = textwrap.dedent("""
         Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
              dtype="float16", layout="NHWC", filter_layout="OIHW"),
         Case(ops="CBNA", c=64, k=64, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+        # fp32 through TF32: HWIO filters transposed by the producer warpgroup, OHWI ones
+        # through the copy engine.
+        Case(ops="CBNA", c=64, k=128, n=4, h=14, w=14, dtype="float32", **NHWC),
+        Case(ops="CBNSA", c=96, k=72, n=3, h=9, w=11, strides=(2, 1), padding="SAME",
+             dtype="float32", **NHWC),
+        Case(ops="CBNA", c=64, k=64, n=2, h=10, w=10, groups=2, dilation=(2, 1),
+             dtype="float32", **NHWC),
+        Case(ops="CNSA", c=128, k=256, n=2, h=7, w=7, r=1, s=1, padding="VALID",
+             dtype="float32", layout="NHWC", filter_layout="OHWI"),
+        Case(ops="CBA", c=64, k=96, n=2, h=8, w=8, dtype="float32", layout="NHWC",
+             filter_layout="OHWI"),
     ]
     for case in cases:
         plan, _ = case.build()

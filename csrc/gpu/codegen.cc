@@ -388,11 +388,8 @@ std::pair<int64_t, int64_t> CornerBox(int64_t in, int64_t out, int64_t stride, i
 }
 
 bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
-  // The im2col map walks NHWC pixels (channels innermost); 16-bit values (conv_tma.cuh).
-  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC ||
-      spec.dtype == DType::kF32) {
-    return false;
-  }
+  // The im2col map walks NHWC pixels (channels innermost); fp32 through TF32 (conv_tma.cuh).
+  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC) return false;
   const ConvGeometry& g = spec.conv;
   const bool k_major = g.filter_layout != FilterLayout::kHWIO;
   if (k_major && g.filter_layout == FilterLayout::kOIHW && (g.r != 1 || g.s != 1)) return false;
@@ -405,6 +402,12 @@ bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
          (g.s - 1) * g.dil_w < 256 && (g.r - 1) * g.dil_h < 256 &&  // tap offsets
          spec.n * spec.h * spec.w * spec.c * elem < (int64_t{1} << 40) &&
          g.r * g.s * (spec.c / g.groups) < (int64_t{1} << 31) && spec.n < (int64_t{1} << 31);
+}
+
+// TF32 with [kk][k] filters: the producer warpgroup transposes B (conv_tma.cuh), which needs
+// three stages and more registers than a producer sharing its multiprocessor has.
+bool TmaTransposesB(const PlanSpec& spec) {
+  return spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO;
 }
 
 // As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
@@ -422,7 +425,7 @@ TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8) {
 std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
-  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / 64;
+  const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / HopperKTile(spec);
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
   const int max_smem = std::max(device.max_smem_per_block, 48 * 1024);
   std::vector<TmaTile> all;
@@ -433,7 +436,8 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
     const TmaTile tile = MakeTmaTile(bn, 1, max_smem);
     if (tile.stages >= 3) all.push_back(tile);
   }
-  if (k_tiles <= 8) {  // 64 wide: a 64x128 multiply needs more than 80 registers to issue
+  if (k_tiles <= 8 && !TmaTransposesB(spec)) {
+    // 64 wide: a 64x128 multiply needs more than 80 registers to issue.
     const TmaTile tile = MakeTmaTile(64, 2, max_smem, static_cast<int>(std::min<int64_t>(
                                                           4, std::max<int64_t>(2, k_tiles + 1))));
     if (tile.stages >= 2) all.push_back(tile);
@@ -458,9 +462,10 @@ int TensorMapDataType(DType dtype) {
   }
 }
 
-// The input as an im2col map (NHWC: dimensions C, W, H, N), 64 channels x 128 pixels a copy,
-// and the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64 boxes) or [K][R*S*CG]
-// (OHWI, 1x1 OIHW: 64 x bn boxes).
+// The input as an im2col map (NHWC: dimensions C, W, H, N), one k-tile of channels (128
+// bytes) x 128 pixels a copy, and the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64
+// boxes; unused by TF32, whose producer transposes B) or [K][R*S*CG] (OHWI, 1x1 OIHW: a k-tile
+// x bn boxes).
 std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   const ConvGeometry& g = spec.conv;
   const uint64_t elem = dtype_size(spec.dtype);
@@ -479,7 +484,8 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   const auto [lh, uh] = CornerBox(spec.h, spec.out_h, g.stride_h, g.pad_t);
   x.lower[0] = static_cast<int>(lw), x.lower[1] = static_cast<int>(lh);
   x.upper[0] = static_cast<int>(uw), x.upper[1] = static_cast<int>(uh);
-  x.channels = 64;
+  const uint32_t k_tile = static_cast<uint32_t>(HopperKTile(spec));
+  x.channels = k_tile;
   x.pixels = TmaTile::kBM;
 
   TensorMapSpec w;
@@ -490,11 +496,11 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   if (g.filter_layout == FilterLayout::kHWIO) {
     w.dims[0] = g.k, w.dims[1] = reduction;
     w.strides[0] = g.k * elem;
-    w.box[0] = 64, w.box[1] = 64;
+    w.box[0] = 128 / static_cast<uint32_t>(elem), w.box[1] = 64;
   } else {
     w.dims[0] = reduction, w.dims[1] = g.k;
     w.strides[0] = reduction * elem;
-    w.box[0] = 64, w.box[1] = static_cast<uint32_t>(tile.bn);
+    w.box[0] = k_tile, w.box[1] = static_cast<uint32_t>(tile.bn);
   }
   return {x, w};
 }
@@ -830,9 +836,10 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       out.tile = "128x" + std::to_string(tile.bn) + " s" + std::to_string(tile.stages) + " e" +
                  std::to_string(tile.epi_cols) + " b" + std::to_string(tile.blocks);
       out.compile_arch = "sm_90a";
+      const int dtype = spec.dtype == DType::kBF16 ? 2 : spec.dtype == DType::kF16 ? 1 : 0;
       out.source = TranslationUnit(spec, TmaConstants(tile), {}) +
-                   WgmmaFunction(tile.bn, spec.dtype == DType::kBF16 ? 2 : 1,
-                                 g.filter_layout == FilterLayout::kHWIO) +
+                   WgmmaFunction(tile.bn, dtype,
+                                 dtype != 0 && g.filter_layout == FilterLayout::kHWIO) +
                    "#include \"conv_tma.cuh\"\n#include \"conv_direct.cuh\"\n";
       EntryPoint entry{"jaxfuse_conv_tma",
                        static_cast<unsigned>(std::min<int64_t>(tiles_total, sms * tile.blocks)),

@@ -1,14 +1,14 @@
-// Implicit-GEMM convolution on Hopper (sm_90a), warp-specialized: fp16/bf16 NHWC activations,
-// fp32 accumulation, the plan's chain fused into the epilogue.
+// Implicit-GEMM convolution on Hopper (sm_90a), warp-specialized: NHWC activations, fp16/bf16
+// or fp32 through TF32, fp32 accumulation, the plan's chain fused into the epilogue.
 //
 // A persistent grid (one block per multiprocessor) walks the output tiles of kBM = 128 pixels x
 // kBN channels. In each block:
 //  - a producer warpgroup, of which one thread issues bulk tensor copies (TMA): per k-tile
-//    (one filter tap, 64 channels) the activations through an im2col tensor map (the copy
-//    engine walks the convolution window, strides and padding itself, zero-filling outside the
-//    image) and the filters through a tiled map, both into 128-byte-swizzled stages of a ring
-//    guarded by mbarriers. It runs ahead across tiles: the next tile's copies overlap this
-//    tile's epilogue.
+//    (one filter tap, 128 bytes of channels: 64 16-bit values or 32 fp32 ones) the activations
+//    through an im2col tensor map (the copy engine walks the convolution window, strides and
+//    padding itself, zero-filling outside the image) and the filters through a tiled map, both
+//    into 128-byte-swizzled stages of a ring guarded by mbarriers. It runs ahead across tiles:
+//    the next tile's copies overlap this tile's epilogue.
 //  - two consumer warpgroups, each multiplying 64 rows x kBN with warpgroup MMA straight from
 //    the stages (wgmma.h), then running the epilogue for its rows: the fp32 accumulators pass
 //    through a per-warpgroup staging tile, kEpiCols columns at a time, and leave in 16-byte
@@ -16,11 +16,17 @@
 // The producer gives registers to the consumers (setmaxnreg), which hold kBN / 2 accumulators
 // each.
 //
+// TF32 reads both operands K-major, and a tiled copy of [kk][k] (HWIO) filters can only land
+// MN-major: there the whole producer warpgroup writes B transposed, with 4-byte cp.async copies
+// (a warp's 8 channels x 4 values per copy, conflict-free), one stage behind its issue so the
+// copies' latency overlaps the next stage's, and arrives on the stage's barrier once they have
+// landed; the copy engine still brings the activations.
+//
 // From the code generator (namespace plan): kBN (64, 128 or 256), kStages, kEpiCols (32 or
 // 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets one block's epilogue overlap the
-// other's multiplies, for short reductions). The host encodes the tensor maps per launch (TmaParams) and checks what the
-// copy engine needs: CG % 64 == 0, KG % 8 == 0, 16-byte aligned buffers, corners and strides
-// the im2col map can express.
+// other's multiplies, for short reductions). The host encodes the tensor maps per launch
+// (TmaParams) and checks what the copy engine needs: CG a multiple of a k-tile, KG % 8 == 0,
+// 16-byte aligned buffers, corners and strides the im2col map can express.
 #pragma once
 
 #include "implicit_gemm.h"
@@ -35,8 +41,11 @@ using namespace plan;
 using namespace implicit_gemm;
 
 constexpr int kBM = 128;       // two consumer warpgroups of 64 rows
-constexpr int kBK = 64;        // 16-bit values in one 128-byte swizzle row
+constexpr bool kTf32 = sizeof(Io::type) == 4;
+constexpr int kBK = 128 / sizeof(Io::type);  // values in one 128-byte swizzle row
 constexpr int kConsumers = 2;  // warpgroups
+// TF32 with [kk][k] filters: the producer warpgroup writes B transposed (see the top).
+constexpr bool kTransposeB = kTf32 && !kFiltersKMajor;
 constexpr int kThreads = (1 + kConsumers) * 128;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
 constexpr i64 kTiles = ((M + kBM - 1) / kBM) * ((KG + kBN - 1) / kBN) * G;
@@ -58,6 +67,9 @@ constexpr int kConsumerRegisters =
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
 static_assert(kStages >= 2, "a stage loading while one multiplies");
+// Transposed B arrives a stage late: with two stages the producer would wait for a stage the
+// consumers cannot release before that arrival.
+static_assert(!kTransposeB || kStages >= 3, "B's arrival one stage behind its issue");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kBarriersOffset + 16 * kStages + 1024 <= kSmemBytes, "shared memory budget");
@@ -74,10 +86,57 @@ struct Ring {
   JF_DEVICE u32 empty_bar(int s) const { return empty + 8 * s; }
 };
 
-// The producer: for each of this block's tiles, every k-tile's activations and filters.
-JF_DEVICE void produce(const TmaParams& args, const Ring& ring) {
-  tma::prefetch_map(&args.x);
-  tma::prefetch_map(&args.w);
+// TF32, [kk][k] filters: this producer thread's copies of k-tile kt's B into `stage`, stored
+// K-major. Warp w copies 8 output channels x 4 reduction values at a time (its reads four
+// 32-byte runs of filter rows, its writes 32 distinct banks: row n's chunk kk / 4 sits at chunk
+// (kk / 4) ^ (n % 8)), the 8-channel groups w, w + 4, ... of every 4-value group q, so each
+// copy's offsets from the thread's first are compile-time constants.
+JF_DEVICE void copy_b_transposed(const Io::type* w, u32 stage, int kt, i64 group, int n0,
+                                 int thread) {
+  if constexpr (kTransposeB) {
+    constexpr int kWarps = 4, kGroups = kBN / 8;
+    static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
+    const int kk0 = kt * kBK;
+    const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+    const int lane = thread % 32, warp = thread / 32;
+    const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
+    const Io::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
+    const u32 dst = stage + kATileBytes + n_first * 128u + kk_first * 4u;
+#pragma unroll
+    for (int j = 0; j < kGroups / kWarps; ++j) {
+      const bool ok = n0 + n_first + j * kWarps * 8 < KG;
+#pragma unroll
+      for (int q = 0; q < kBK / 4; ++q) {
+        const u32 chunk = (static_cast<u32>(q) ^ static_cast<u32>(lane % 8)) << 4;
+        mma::copy4_async(dst + j * kWarps * 8 * 128 + chunk,
+                         ok ? src + i64(q) * 4 * K + j * kWarps * 8 : w, ok);
+      }
+    }
+  }
+}
+
+// The copy engine's share of B for the k-tile at reduction index kk0, output channels k0..
+JF_DEVICE void load_b(const TmaParams& args, u32 stage, u32 bar, int kk0, int k0) {
+  if (kFiltersKMajor) {  // [k][kk]: kBN rows of one k-tile of reduction values
+    tma::load_tile(stage + kATileBytes, &args.w, kk0, k0, bar);
+  } else {  // [kk][k], 16-bit: 64 reduction rows of each 64-wide block of output channels
+#pragma unroll
+    for (int j = 0; j < kBN / 64; ++j) {
+      tma::load_tile(stage + kATileBytes + j * kNBlockBytes, &args.w, k0 + 64 * j, kk0, bar);
+    }
+  }
+}
+
+// The producer warpgroup: for each of this block's tiles, every k-tile's activations and
+// filters. Thread 0 issues the copy engine's work; with kTransposeB every thread also copies
+// its share of B, and arrives on a stage's barrier once those copies have landed (the barrier
+// then expects the copy engine's bytes and 128 such arrivals).
+JF_DEVICE void produce(const TmaParams& args, const Ring& ring, int thread) {
+  if (thread == 0) {
+    tma::prefetch_map(&args.x);
+    if (!kTransposeB) tma::prefetch_map(&args.w);
+  }
+  const Io::type* w = static_cast<const Io::type*>(args.p.w);
   u32 it = 0;  // k-tiles issued so far, across tiles: the ring position
   for (i64 tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
     const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
@@ -86,32 +145,44 @@ JF_DEVICE void produce(const TmaParams& args, const Ring& ring) {
     const int h0 = static_cast<int>(pq / Q) * static_cast<int>(SH) - static_cast<int>(PT);
     for (int kt = 0; kt < kKTiles; ++kt, ++it) {
       const int s = static_cast<int>(it % kStages);
-      tma::wait(ring.empty_bar(s), ((it / kStages) & 1) ^ 1);  // a fresh ring is empty
+      if (kTransposeB || thread == 0) {
+        tma::wait(ring.empty_bar(s), ((it / kStages) & 1) ^ 1);  // a fresh ring is empty
+      }
       const u32 stage = ring.stage(s), bar = ring.full_bar(s);
-      tma::arrive_expect_bytes(bar, kStageBytes);
       const int kk0 = kt * kBK;  // = tap * CG + first channel
-      const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
-      const int r = tap / static_cast<int>(S), s_tap = tap % static_cast<int>(S);
-      tma::load_im2col(stage, &args.x, static_cast<int>(group * CG) + c0, w0, h0,
-                       static_cast<int>(image), bar, static_cast<u16>(s_tap * DW),
-                       static_cast<u16>(r * DH));
-      const int k0 = static_cast<int>(group * KG) + n0;
-      if (kFiltersKMajor) {  // [k][kk]: kBN rows of 64 reduction values
-        tma::load_tile(stage + kATileBytes, &args.w, kk0, k0, bar);
-      } else {  // [kk][k]: 64 reduction rows of each 64-wide block of output channels
-#pragma unroll
-        for (int j = 0; j < kBN / 64; ++j) {
-          tma::load_tile(stage + kATileBytes + j * kNBlockBytes, &args.w, k0 + 64 * j, kk0, bar);
+      if (thread == 0) {
+        tma::arrive_expect_bytes(bar, kTransposeB ? kATileBytes : kStageBytes);
+        const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
+        const int r = tap / static_cast<int>(S), s_tap = tap % static_cast<int>(S);
+        tma::load_im2col(stage, &args.x, static_cast<int>(group * CG) + c0, w0, h0,
+                         static_cast<int>(image), bar, static_cast<u16>(s_tap * DW),
+                         static_cast<u16>(r * DH));
+        if (!kTransposeB) load_b(args, stage, bar, kk0, static_cast<int>(group * KG) + n0);
+      }
+      if constexpr (kTransposeB) {
+        copy_b_transposed(w, stage, kt, group, n0, thread);
+        mma::commit_copies();
+        if (it > 0) {  // the previous k-tile's copies have landed: its stage is complete
+          mma::wait_copies<1>();
+          wgmma::fence_shared_for_async();
+          tma::arrive(ring.full_bar(static_cast<int>((it - 1) % kStages)));
         }
       }
+    }
+  }
+  if constexpr (kTransposeB) {
+    if (it > 0) {
+      mma::wait_copies<0>();
+      wgmma::fence_shared_for_async();
+      tma::arrive(ring.full_bar(static_cast<int>((it - 1) % kStages)));
     }
   }
 }
 
 // One stage: this warpgroup's 64 rows of A times all kBN columns of B.
 JF_DEVICE void multiply_stage(u32 stage, int consumer, float (&acc)[kBN / 2]) {
-  wgmma::multiply_k_tile<kFiltersKMajor>(acc, stage + consumer * 64 * 128, stage + kATileBytes,
-                                         kNBlockBytes);
+  wgmma::multiply_k_tile<kFiltersKMajor || kTf32>(acc, stage + consumer * 64 * 128,
+                                                  stage + kATileBytes, kNBlockBytes);
 }
 
 // A consumer thread's chunks of one epilogue slice (64 rows x kEpiCols columns, 8 columns a
@@ -243,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      tma::barrier_init(ring.full_bar(s), 1);
+      tma::barrier_init(ring.full_bar(s), kTransposeB ? 1 + 128 : 1);
       tma::barrier_init(ring.empty_bar(s), kConsumers * 128);
     }
     tma::fence_barrier_init();
@@ -251,7 +322,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
   __syncthreads();
   if (warpgroup == 0) {
     tma::release_registers<kProducerRegisters>();
-    if (thread == 0) produce(args, ring);
+    if (kTransposeB || thread == 0) produce(args, ring, thread);
   } else {
     tma::claim_registers<kConsumerRegisters>();
     const int consumer = warpgroup - 1;
