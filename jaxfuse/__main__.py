@@ -7,6 +7,7 @@ would use (and its version), the kernel cache directory and the compiled kernels
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("info", help="report versions, devices, the runtime compiler and the cache")
     args = parser.parse_args(argv)
     if args.command == "info":
-        info()
+        try:
+            info()
+        except BrokenPipeError:  # the reader stopped early (`... info | head`): not an error
+            # Stdout is flushed once more at exit; point it at /dev/null so that is silent too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
