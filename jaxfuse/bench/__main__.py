@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--dtype", nargs="+", default=["float16"])
     parser.add_argument("--layout", nargs="+", default=["NHWC"])
+    parser.add_argument("--filter-layout", nargs="+", default=[None],
+                        choices=["HWIO", "OHWI", "OIHW"],
+                        help="filter layouts (default: HWIO for NHWC, OIHW for NCHW)")
     parser.add_argument("--ops", default="CBNA", help="chain for conv layers (NA layers: NA; "
                         "layers without an activation drop the A)")
     parser.add_argument("--sets", type=int, default=8, help="distinct input sets per jit")
@@ -198,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device.device_kind} ({device.platform}); copy "
           f"{ceilings.copy_bandwidth / 1e12:.2f} TB/s; matmul TFLOP/s " +
           ", ".join(f"{k} {v / 1e12:.0f}" for k, v in ceilings.matmul.items()), file=sys.stderr)
-    cases = [BenchCase(layer, n, dtype, layout, args.ops if layer.has_conv else "NA")
+    cases = [BenchCase(layer, n, dtype, layout, args.ops if layer.has_conv else "NA",
+                       filters if layer.has_conv else None)
              for suite in args.suite for layer in SUITES[suite]
-             for n in args.batch for dtype in args.dtype for layout in args.layout]
+             for n in args.batch for dtype in args.dtype for layout in args.layout
+             for filters in args.filter_layout]
     rows = []
     for case in _progress(cases, not args.no_progress):
         sets = args.sets if case.n > 1 else max(args.sets, 16)

@@ -28,6 +28,7 @@ class BenchCase:
     dtype: str
     layout: str
     chain: str  # "CBNA", "CBA", "NA", ... (the layer may end it before the activation)
+    filters: str | None = None  # the filter layout; None: HWIO for NHWC, OIHW for NCHW
 
     @property
     def ops(self) -> str:
@@ -38,6 +39,8 @@ class BenchCase:
 
     @property
     def filter_layout(self) -> str:
+        if self.filters is not None:
+            return self.filters
         return "HWIO" if self.layout == "NHWC" else "OIHW"
 
     def shape(self, c: int, hw: int) -> tuple[int, ...]:
@@ -46,10 +49,12 @@ class BenchCase:
     def filter_shape(self) -> tuple[int, ...]:
         L = self.layer
         ci = L.c // L.groups
-        return (L.r, L.r, ci, L.k) if self.filter_layout == "HWIO" else (L.k, ci, L.r, L.r)
+        return {"HWIO": (L.r, L.r, ci, L.k), "OHWI": (L.k, L.r, L.r, ci),
+                "OIHW": (L.k, ci, L.r, L.r)}[self.filter_layout]
 
     def label(self) -> str:
-        return f"{self.layer.name} N={self.n} {self.dtype} {self.layout} {self.ops}"
+        filters = f"/{self.filters}" if self.filters is not None else ""
+        return f"{self.layer.name} N={self.n} {self.dtype} {self.layout}{filters} {self.ops}"
 
     def plan(self, device: Any, solver: str = "fused") -> tuple[FusionPlan, dict[str, Any]]:
         L = self.layer
