@@ -16,7 +16,15 @@ from ._extension import extension
 from .errors import FusionError
 from .primitive import checked_operands, fused_chain
 from .signature import PlanSignature
-from .solvers import XLA, FusedKernel, prepare_fused, solver_mode, xla_function
+from .solvers import (
+    XLA,
+    FusedKernel,
+    prepare_fused,
+    refiltered_operands,
+    solver_mode,
+    with_filters,
+    xla_function,
+)
 
 __all__ = ["CompiledPlan", "cache_info", "clear_cache", "compile_signature", "default_device"]
 
@@ -37,6 +45,9 @@ class CompiledPlan:
     details: tuple[tuple[str, Any], ...] = ()  # the fused kernel's tile, variant, arch, origin
     mode: str = "fused"  # "auto", "fused" or "xla" (see jaxfuse.solvers)
     fused_kernel: str | None = None  # the fused candidate, prepared ("conv_wgmma 128x64 s4 b2")
+    # The filter layout the fused kernel reads, where each call transposes the plan's filters
+    # into it (jaxfuse.solvers.kernel_filters); None: the plan's own.
+    filters: str | None = None
     times_us: tuple[tuple[str, float], ...] = ()  # measured cost per run, by candidate
     device_us: tuple[tuple[str, float], ...] = ()  # its parts: device time (GPUs) ...
     host_us: tuple[tuple[str, float], ...] = ()  # ... and the host's launch work
@@ -59,6 +70,8 @@ class CompiledPlan:
                                 "decided": self.decided}
         if self.fused_kernel is not None and self.uses_xla:
             info["fused_kernel"] = self.fused_kernel
+        if self.filters is not None and not self.uses_xla:
+            info["filters"] = f"{self.filters} (transposed on each call)"
         if self.times_us:
             info["candidates_us"] = dict(self.times_us)
         if self.host_us:
@@ -74,6 +87,10 @@ class CompiledPlan:
         """Runs the chain with the chosen solver (traceable; operands as for fused_chain)."""
         if self.uses_xla:
             return xla_function(self.signature)(*checked_operands(self.signature, x, *params))
+        if self.filters is not None:
+            operands = refiltered_operands(self.signature, self.filters,
+                                           checked_operands(self.signature, x, *params))
+            return fused_chain(with_filters(self.signature, self.filters), *operands)
         return fused_chain(self.signature, x, *params)
 
 
@@ -147,7 +164,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
         return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="fallback",
                             **common)
     prepared = time.perf_counter()
-    common.update(details=fused.details, fused_kernel=fused.label)
+    common.update(details=fused.details, fused_kernel=fused.label, filters=fused.filters)
     if mode == "fused":
         return CompiledPlan(kernel=fused.solver, seconds=(("kernel", prepared - start),),
                             **common)

@@ -121,7 +121,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
         with _lock:
             _stats["disk_hits"] += 1
         return decision
-    decision = _worker.submit(_measure, signature, device).result()
+    decision = _worker.submit(_measure, signature, device, fused.filters).result()
     with _lock:
         _stats["measured"] += 1
     if len(decision.times_us) == 2:  # a failure may be passing (memory): measure it again
@@ -131,7 +131,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
     return decision
 
 
-def _measure(signature: PlanSignature, device: Any) -> Decision:
+def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Decision:
     times: dict[str, float] = {}
     device_us: dict[str, float] = {}
     host_us: dict[str, float] = {}
@@ -145,7 +145,8 @@ def _measure(signature: PlanSignature, device: Any) -> Decision:
             return Decision(FUSED, failures=((XLA, f"not measured: {_first_line(err)}"),))
         outputs: dict[str, Any] = {}
         # XLA first: a fused kernel already _GIVE_UP times slower is not timed further.
-        for name, make in ((XLA, xla_function), (FUSED, fused_function)):
+        fused = functools.partial(fused_function, filters=filters)
+        for name, make in ((XLA, xla_function), (FUSED, fused)):
             limit = (max(times[XLA] * 1e-6 * _GIVE_UP, _GIVE_UP_FLOOR)
                      if name == FUSED and XLA in times else None)
             try:

@@ -22,12 +22,14 @@ else the ``JAXFUSE_SOLVER`` environment variable, else ``"auto"``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ._extension import extension
@@ -37,8 +39,10 @@ from .primitive import fused_chain_p
 from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
-__all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "prepare_fused",
-           "solver_mode", "xla_function"]
+__all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "kernel_filters",
+           "prepare_fused", "refiltered_operands", "solver_mode", "with_filters", "xla_function"]
+
+logger = logging.getLogger("jaxfuse")
 
 SolverMode = Literal["auto", "fused", "xla"]
 MODES: tuple[str, ...] = ("auto", "fused", "xla")
@@ -62,20 +66,87 @@ class FusedKernel:
 
     solver: str  # "cpu"/"cpu_direct", or the GPU kernel family ("conv_wgmma", "pointwise", ...)
     details: tuple[tuple[str, Any], ...] = ()  # GPU: tile, autotuned variant, arch, origin
+    # The filter layout the kernel reads where it is not the plan's: each call then transposes
+    # the plan's filters into it first (see kernel_filters); None: the plan's own.
+    filters: str | None = None
 
     @property
     def label(self) -> str:
-        """The kernel and its tile, e.g. ``conv_wgmma 128x64 s4 b2``."""
+        """The kernel and its tile, e.g. ``conv_wgmma 128x64 s4 b2`` (and ``, OHWI filters``
+        where the filters are transposed for it)."""
         tile = dict(self.details).get("tile")
-        return f"{self.solver} {tile}" if tile else self.solver
+        label = f"{self.solver} {tile}" if tile else self.solver
+        return f"{label}, {self.filters} filters" if self.filters else label
+
+
+# fp32 plans on Hopper run on TF32 wgmma, which reads filters K-major only ([k][r][s][c], OHWI).
+# The kernels transpose HWIO filters themselves as they load them, 4 bytes a copy, at about half
+# the speed of the copy engine's K-major tiles: on an H100 (2026-11-25, fp32 ResNet-50 layers
+# at batch 64, conv_tma) the 3x3 layers took 103-116 us with HWIO filters and 52-62 us with
+# OHWI ones, the 1x1/2048 layer 58.7 against 36.2 us. Transposing the filters in a separate op
+# on every call moves 2x their bytes through memory (about 8 us for a 3x3/512 layer's 9.4 MB),
+# which pays where they are reused over many output pixels.
+_TRANSPOSE_MIN_PIXELS = 2048
+_FILTER_PERMUTATION = {("HWIO", "OHWI"): (3, 0, 1, 2)}
+# The kernels the transposed form is for (TF32 on wgmma: 32k input channels per group); any
+# other kernel reads HWIO as fast, and the direct one far slower from OHWI (the ResNet-50 stem,
+# 3 channels, at batch 64 on an H100: 10.2 ms against 2.2 ms).
+_K_MAJOR_KERNELS = ("conv_tma", "conv_wgmma")
+_TF32_K_TILE = 32
+
+
+def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
+    """The filter layout the fused kernel should read for `signature` on `device`, where the
+    filters are worth transposing into it on every call (see above); None: the plan's own."""
+    c = signature.conv
+    if (c is None or device.platform.lower() == "cpu" or signature.dtype != np.float32
+            or signature.layout != "NHWC" or c.filter_layout != "HWIO" or not c.allow_tf32
+            or (signature.channels // c.groups) % _TF32_K_TILE != 0
+            or str(getattr(device, "compute_capability", "")) != "9.0"):
+        return None
+    _, p, q = signature.output_chw
+    return "OHWI" if signature.batch * p * q >= _TRANSPOSE_MIN_PIXELS else None
+
+
+def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
+    """`signature` with its filters in `layout`."""
+    assert signature.conv is not None
+    return dataclasses.replace(
+        signature, conv=dataclasses.replace(signature.conv, filter_layout=layout))
+
+
+def refiltered_operands(signature: PlanSignature, layout: str,
+                        operands: Sequence[Any]) -> list[Any]:
+    """The primitive's operands for ``with_filters(signature, layout)``: `operands` (those of
+    `signature`) with the filters transposed."""
+    assert signature.conv is not None
+    at = [spec.name for spec in signature.operands].index("w")
+    permutation = _FILTER_PERMUTATION[(signature.conv.filter_layout, layout)]
+    out = list(operands)
+    out[at] = jnp.transpose(out[at], permutation)
+    return out
 
 
 def prepare_fused(signature: PlanSignature, device: Any) -> FusedKernel:
-    """Compiles (or finds in the caches) jaxfuse's kernel for `signature` on `device`.
+    """Compiles (or finds in the caches) jaxfuse's kernel for `signature` on `device`, reading
+    the filters in :func:`kernel_filters`'s layout.
 
     Raises FusionError saying why when the backend cannot run it (no backend for the platform,
     a compiler failure with its log, a refused plan).
     """
+    filters = kernel_filters(signature, device)
+    if filters is not None:
+        try:
+            kernel = _prepare(with_filters(signature, filters), device)
+        except FusionError as err:  # the plan's own form may still compile
+            kernel = None
+            logger.debug("jaxfuse: %s with %s filters: %s", signature.describe(), filters, err)
+        if kernel is not None and kernel.solver in _K_MAJOR_KERNELS:
+            return dataclasses.replace(kernel, filters=filters)
+    return _prepare(signature, device)
+
+
+def _prepare(signature: PlanSignature, device: Any) -> FusedKernel:
     platform = device.platform.lower()
     ext = extension()
     encoded = signature.encode()
@@ -99,10 +170,16 @@ def _prepare_gpu(ext: Any, encoded: str, device: Any) -> FusedKernel:
     return FusedKernel(kernel["solver"], details)
 
 
-def fused_function(signature: PlanSignature) -> Callable[..., jax.Array]:
-    """The fused kernel as a traceable function of the primitive's operands."""
+def fused_function(signature: PlanSignature,
+                   filters: str | None = None) -> Callable[..., jax.Array]:
+    """The fused kernel as a traceable function of the primitive's operands; with `filters`,
+    the kernel for filters in that layout, transposed into it first."""
+    target = signature if filters is None else with_filters(signature, filters)
+
     def run(*operands: Any) -> jax.Array:
-        return fused_chain_p.bind(*operands, signature=signature)
+        if filters is not None:
+            operands = tuple(refiltered_operands(signature, filters, operands))
+        return fused_chain_p.bind(*operands, signature=target)
 
     return run
 

@@ -229,8 +229,8 @@ def test_a_kernel_that_cannot_be_built_is_dropped(monkeypatch, caplog) -> None:
 def test_a_kernel_that_disagrees_with_xla_is_dropped(monkeypatch) -> None:
     real = find.fused_function
 
-    def wrong(signature):
-        run = real(signature)
+    def wrong(signature, filters=None):
+        run = real(signature, filters)
         return lambda *operands: run(*operands) * 1.5
 
     monkeypatch.setattr(find, "fused_function", wrong)
@@ -247,8 +247,8 @@ def test_a_far_slower_kernel_is_not_timed_further(monkeypatch) -> None:
 
     calls = []
 
-    def slow(signature):
-        run = real(signature)
+    def slow(signature, filters=None):
+        run = real(signature, filters)
 
         def wait(*operands):
             y = run(*operands)
