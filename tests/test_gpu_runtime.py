@@ -91,6 +91,10 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NHWC),
                  Case(ops="CBA", c=512, k=64, n=2, h=5, w=5, r=1, s=1, padding="VALID",
                       dtype="float16", layout="NHWC", filter_layout="OHWI"),
+                 # A one-k-tile reduction on the mma.sync kernel (MobileNet's 1x1 32->16),
+                 # partial tiles.
+                 Case(ops="CBN", c=32, k=16, n=8, h=29, w=27, r=1, s=1, padding="VALID",
+                      dtype="bfloat16", **NHWC),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
                       padding="SAME", dtype="float16", **NHWC),
                  # NCHW: gathered A, plane-by-plane epilogue (split-K included), B gathered
