@@ -158,7 +158,9 @@ class FusionPlan:
         to XLA when no fused kernel can be built), the measured ``candidates_us`` (on GPUs
         also split into ``candidates_device_us`` and ``candidates_host_us``, the launch work)
         and why any candidate ``failed``; on GPUs the fused kernel's ``tile``, autotuned
-        ``variant``, ``arch`` and binary ``origin``. Empty before ``compile()``."""
+        ``variant``, ``arch`` and binary ``origin``, and ``filters`` where the kernel reads
+        the filters in another layout, transposed into it on each call (fp32 on Hopper).
+        Empty before ``compile()``."""
         if not self.is_compiled:
             return {}
         return self._compiled.info()
