@@ -188,8 +188,8 @@ class Harness:
         another), that is the result (``cut_short``): a loser needs no precise time, and a
         slow one costs seconds.
 
-        Timed runs keep the outputs of up to :data:`_KEPT_RUNS` runs before them alive, as a
-        model's caller does with the results of calls queued back to back: each run then
+        On GPUs timed runs keep the outputs of up to :data:`_KEPT_RUNS` runs before them
+        alive, as a model's caller does with the results of calls queued back to back: each run then
         writes to new addresses, and a GPU program pays what that costs the host. XLA updates
         its command buffer, and every command it recorded by tracing a library call (cuDNN's
         convolutions, custom calls) misses its trace cache, which is keyed by buffer addresses
@@ -225,7 +225,7 @@ class Harness:
             extension().stopwatch_gate(self.stopwatch, True)
         device: list[float] = []
         host: list[float] = []
-        kept = collections.deque(maxlen=_kept_runs(first, len(sets)))
+        kept = collections.deque(maxlen=_kept_runs(first, len(sets), self.platform))
         deadline = time.perf_counter() + _BUDGET_SECONDS[self.platform]
         while len(device) < _MIN_RUNS[self.platform] or (len(device) < _MAX_RUNS and
                                                          time.perf_counter() < deadline):
@@ -243,10 +243,14 @@ class Harness:
         return first, Timing(statistics.median(device), statistics.median(host) if host else 0.0)
 
 
-def _kept_runs(first: jax.Array, sets: int) -> int:
-    """How many runs' outputs :meth:`Harness.run` keeps alive (at least one)."""
+def _kept_runs(first: jax.Array, sets: int, platform: str) -> int:
+    """How many earlier runs' outputs :meth:`Harness.run` keeps alive: on GPUs as many as fit
+    :data:`_KEPT_BYTES` beside the running one's; none on CPUs, which have no command buffers
+    and would only fault in fresh pages."""
+    if platform != "gpu":
+        return 0
     run_bytes = max(first.nbytes * sets, 1)
-    return int(max(1, min(_KEPT_RUNS, _KEPT_BYTES // run_bytes)))
+    return int(max(0, min(_KEPT_RUNS, _KEPT_BYTES // run_bytes - 1)))
 
 
 def _new_stopwatch(device: Any) -> int:

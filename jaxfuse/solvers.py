@@ -97,11 +97,15 @@ _TF32_K_TILE = 32
 
 def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
     """The filter layout the fused kernel should read for `signature` on `device`, where the
-    filters are worth transposing into it on every call (see above); None: the plan's own."""
+    filters are worth transposing into it on every call (see above); None: the plan's own.
+
+    A rule from the measurements above, not a measurement per plan: the find step times the
+    form it gives (transpose included) against XLA, never against the other fused form."""
     c = signature.conv
     if (c is None or device.platform.lower() == "cpu" or signature.dtype != np.float32
             or signature.layout != "NHWC" or c.filter_layout != "HWIO" or not c.allow_tf32
             or (signature.channels // c.groups) % _TF32_K_TILE != 0
+            or os.environ.get("JAXFUSE_TF32_KERNELS") == "0"  # as csrc/gpu/codegen.cc reads it
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return None
     _, p, q = signature.output_chw

@@ -10,6 +10,7 @@ import functools
 import types
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +47,68 @@ def _signature(case: Case):
 ])
 def test_which_plans_transpose_their_filters(case: Case, target, expected) -> None:
     assert solvers.kernel_filters(_signature(case), target) == expected
+
+
+def test_no_transposed_form_when_tf32_kernels_are_off(monkeypatch) -> None:
+    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "0")
+    assert solvers.kernel_filters(_signature(BIG), HOPPER) is None
+
+
+def _fused_calls(fn, *operands) -> list:
+    """The fused-chain equations of `fn`'s jaxpr (nested ones included), and whether a
+    transpose runs ahead of them."""
+    found, transposes = [], []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "jaxfuse_fused_chain":
+                found.append(eqn.params["signature"])
+            if eqn.primitive.name == "transpose":
+                transposes.append(eqn.params["permutation"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*operands).jaxpr)
+    return found, transposes
+
+
+@pytest.mark.parametrize("filters", [None, "OHWI"])
+def test_the_form_runs_the_kernel_for_its_layout(filters) -> None:
+    """Both paths (the find step's function, a compiled plan's execute) bind the primitive
+    with the form's filter layout, the filters transposed ahead of it."""
+    signature = _signature(BIG)
+    operands = [*random_operands(signature, jax.devices("cpu")[0], 1)[0],
+                jnp.asarray(TIMING_SCALARS)]
+    plan = dataclasses.replace(compile_signature(signature, jax.devices("cpu")[0], "fused"),
+                               filters=filters)
+    for fn in (solvers.fused_function(signature, filters), plan.execute):
+        found, transposes = _fused_calls(fn, *operands)
+        assert [sig.conv.filter_layout for sig in found] == [filters or "HWIO"]
+        assert transposes == ([(3, 0, 1, 2)] if filters else [])
+
+
+@pytest.mark.parametrize("prepared, expected", [
+    ("conv_tma", "OHWI"), ("conv_wgmma", "OHWI"),
+    ("conv_direct", None),  # not a K-major tensor-core kernel: the plan's own form
+    ("raise", None),  # the form failed to compile: the plan's own form
+])
+def test_prepare_keeps_the_form_only_for_the_kernels_it_is_for(monkeypatch, prepared,
+                                                                expected) -> None:
+    signature = _signature(BIG)
+    seen = []
+
+    def fake_prepare(sig, device):
+        seen.append(sig.conv.filter_layout)
+        if sig.conv.filter_layout == "OHWI" and prepared == "raise":
+            raise solvers.FusionError("no kernel")
+        return solvers.FusedKernel(prepared if sig.conv.filter_layout == "OHWI" else "conv_tma")
+
+    monkeypatch.setattr(solvers, "kernel_filters", lambda sig, device: "OHWI")
+    monkeypatch.setattr(solvers, "_prepare", fake_prepare)
+    kernel = solvers.prepare_fused(signature, HOPPER)
+    assert kernel.filters == expected
+    assert seen == (["OHWI"] if expected else ["OHWI", "HWIO"])
+    assert kernel.label.endswith(", OHWI filters") == (expected is not None)
 
 
 def test_refiltered_operands_transpose_only_the_filters() -> None:
@@ -102,6 +165,10 @@ def test_on_hopper_big_fp32_plans_run_on_transposed_filters(device) -> None:
     err = run_case(BIG, device, solver="fused")
     plan, _ = BIG.build()
     plan.compile(device, solver="fused")
-    expected = solvers.kernel_filters(plan.signature, device)
-    assert plan.kernel_info.get("filters", "").split(" ")[0] == (expected or "")
+    info = plan.kernel_info
+    if str(getattr(device, "compute_capability", "")) == "9.0":
+        assert info.get("filters", "").startswith("OHWI"), info
+        assert info["solver"] in ("conv_tma", "conv_wgmma"), info
+    else:
+        assert "filters" not in info, info
     assert err < BIG.tolerance(device)
