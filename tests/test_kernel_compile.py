@@ -268,6 +268,12 @@ TF32_CASES += [Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="O
                     c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
                     strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2)
                for layer in _resnet50() for n in (1, 64) if layer.c % 16 == 0]
+# ... and in NHWC at batch 64 with HWIO filters and OHWI ones, the layout Hopper's fp32 plans
+# transpose their filters into (jaxfuse.solvers.kernel_filters): every conv_tma tile too.
+TF32_CASES += [Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout=fl, n=64,
+                    c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                    strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2)
+               for layer in _resnet50() for fl in ("HWIO", "OHWI") if layer.c % 16 == 0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
