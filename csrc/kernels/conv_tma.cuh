@@ -87,14 +87,31 @@ struct Ring {
 };
 
 // TF32, [kk][k] filters: this producer thread's copies of k-tile kt's B into `stage`, stored
-// K-major (wgmma.h: copy_b_transposed, over the producer warpgroup's 4 warps).
+// K-major. Warp w copies 8 output channels x 4 reduction values at a time (its reads four
+// 32-byte runs of filter rows, its writes 32 distinct banks: row n's chunk kk / 4 sits at chunk
+// (kk / 4) ^ (n % 8)), the 8-channel groups w, w + 4, ... of every 4-value group q, so each
+// copy's offsets from the thread's first are compile-time constants.
 JF_DEVICE void copy_b_transposed(const Io::type* w, u32 stage, int kt, i64 group, int n0,
                                  int thread) {
   if constexpr (kTransposeB) {
+    constexpr int kWarps = 4, kGroups = kBN / 8;
+    static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
     const int kk0 = kt * kBK;
     const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
-    wgmma::copy_b_transposed<kBN, 4>(w + b_offset(group, tap, c0, n0), K,
-                                     static_cast<int>(KG) - n0, stage + kATileBytes, thread);
+    const int lane = thread % 32, warp = thread / 32;
+    const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
+    const Io::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
+    const u32 dst = stage + kATileBytes + n_first * 128u + kk_first * 4u;
+#pragma unroll
+    for (int j = 0; j < kGroups / kWarps; ++j) {
+      const bool ok = n0 + n_first + j * kWarps * 8 < KG;
+#pragma unroll
+      for (int q = 0; q < kBK / 4; ++q) {
+        const u32 chunk = (static_cast<u32>(q) ^ static_cast<u32>(lane % 8)) << 4;
+        mma::copy4_async(dst + j * kWarps * 8 * 128 + chunk,
+                         ok ? src + i64(q) * 4 * K + j * kWarps * 8 : w, ok);
+      }
+    }
   }
 }
 

@@ -68,8 +68,8 @@ static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kAChunks * kColStep == 8, "NCHW: a thread's chunks cover its columns");
 static_assert(!kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per filter tap");
 static_assert(!kTf32 || kNHWC, "TF32: NHWC activations (NCHW gathers 16-bit values)");
-// TF32 with [kk][k] filters: the 4-byte copies of B's transpose, per thread per stage.
-constexpr int kBWords = kTf32 && !kFiltersKMajor ? kBN * kBK / kThreads : 0;
+// TF32 with [kk][k] filters: B transposed into K-major rows as it loads (load_b).
+constexpr bool kTransposeB = kTf32 && !kFiltersKMajor;
 static_assert(kStages * kStageBytes + 1024 <= kSmemBytes &&
               kBM * kCPitch * 4 + 1024 <= kSmemBytes, "shared memory budget");
 
@@ -112,9 +112,28 @@ JF_DEVICE void store_a(u32 sa, int tid, const T (&v)[kAChunks * 8]) {
 JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int tid) {
   const int kk0 = kt * kBK;
   const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
-  if constexpr (kBWords > 0) {  // TF32, [kk][k] filters: transposed into K-major rows
-    wgmma::copy_b_transposed<kBN, kThreads / 32>(w + b_offset(group, tap, c0, n0), K,
-                                                 static_cast<int>(KG) - n0, sb, tid);
+  if constexpr (kTransposeB) {
+    // TF32, [kk][k] filters, stored K-major: a warp copies 8 output channels x 4 reduction
+    // values at a time, so its reads are four 32-byte runs of filter rows and its writes fill
+    // 32 distinct banks (row n's chunk kk / 4 sits at chunk (kk / 4) ^ (n % 8)). Warp w takes
+    // the 8-channel groups w, w + kWarps, ... of every 4-value group q: each copy's offsets
+    // from the thread's first are compile-time constants.
+    constexpr int kWarps = kThreads / 32, kGroups = kBN / 8;
+    static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
+    const int lane = tid % 32, warp = tid / 32;
+    const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
+    const Io::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
+    const u32 dst = sb + n_first * 128u + kk_first * 4u;
+#pragma unroll
+    for (int q = 0; q < kBK / 4; ++q) {
+      const u32 chunk = (static_cast<u32>(q) ^ static_cast<u32>(lane % 8)) << 4;
+#pragma unroll
+      for (int j = 0; j < kGroups / kWarps; ++j) {
+        const bool ok = n0 + n_first + j * kWarps * 8 < KG;
+        mma::copy4_async(dst + j * kWarps * 8 * 128 + chunk,
+                         ok ? src + i64(q) * 4 * K + j * kWarps * 8 : w, ok);
+      }
+    }
     return;
   }
 #pragma unroll

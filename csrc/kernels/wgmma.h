@@ -16,8 +16,6 @@
 
 #ifndef JF_HIP
 
-#include "mma.h"
-
 namespace jaxfuse {
 namespace wgmma {
 
@@ -70,35 +68,6 @@ JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
                : "r"(remote)
                : "memory");
   return v;
-}
-
-// TF32 B from [kk][k] filters (output channels contiguous), stored K-major for wgmma: one k-tile
-// (32 fp32 reduction values) x kN output channels, copied 4 bytes at a time by kWarps warps, of
-// which this is thread `thread`. A warp copies 8 channels x 4 values at a time, so its reads are
-// four 32-byte runs of filter rows and its writes fill 32 distinct banks (row n's chunk kk / 4
-// sits at chunk (kk / 4) ^ (n % 8)); warp w takes the 8-channel groups w, w + kWarps, ... of
-// every 4-value group q, so each copy's offsets from the thread's first are compile-time
-// constants. `src` is filter (kk0, n0), `row` the filters' row pitch in values; channels from
-// `valid` on are zero-filled. (A template on the value type only so that 16-bit kernels, which
-// never call it, compile.)
-template <int kN, int kWarps, typename T>
-JF_DEVICE void copy_b_transposed(const T* src, i64 row, int valid, u32 dst, int thread) {
-  constexpr int kGroups = kN / 8;
-  static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
-  const int lane = thread % 32, warp = thread / 32;
-  const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
-  const T* first = src + kk_first * row + n_first;
-  dst += n_first * 128u + kk_first * 4u;
-#pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const u32 chunk = (static_cast<u32>(q) ^ static_cast<u32>(lane % 8)) << 4;
-#pragma unroll
-    for (int j = 0; j < kGroups / kWarps; ++j) {
-      const bool ok = n_first + j * kWarps * 8 < valid;
-      mma::copy4_async(dst + j * kWarps * 8 * 128 + chunk,
-                       ok ? first + i64(q) * 4 * row + j * kWarps * 8 : src, ok);
-    }
-  }
 }
 
 // One k-tile (128 bytes of K: 64 16-bit values, or 32 fp32 ones) of a warpgroup's multiply, as
