@@ -463,9 +463,9 @@ int TensorMapDataType(DType dtype) {
 }
 
 // The input as an im2col map (NHWC: dimensions C, W, H, N), one k-tile of channels (128
-// bytes) x 128 pixels a copy, and the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64
-// boxes; unused by TF32, whose producer transposes B) or [K][R*S*CG] (OHWI, 1x1 OIHW: a k-tile
-// x bn boxes).
+// bytes) x 128 pixels a copy, and, unless the producer transposes B itself (TmaTransposesB),
+// the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64 boxes) or [K][R*S*CG] (OHWI, 1x1
+// OIHW: a k-tile x bn boxes).
 std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   const ConvGeometry& g = spec.conv;
   const uint64_t elem = dtype_size(spec.dtype);
@@ -487,6 +487,7 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   const uint32_t k_tile = static_cast<uint32_t>(HopperKTile(spec));
   x.channels = k_tile;
   x.pixels = TmaTile::kBM;
+  if (TmaTransposesB(spec)) return {x};
 
   TensorMapSpec w;
   w.filters = true;
@@ -496,7 +497,7 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   if (g.filter_layout == FilterLayout::kHWIO) {
     w.dims[0] = g.k, w.dims[1] = reduction;
     w.strides[0] = g.k * elem;
-    w.box[0] = 128 / static_cast<uint32_t>(elem), w.box[1] = 64;
+    w.box[0] = 64, w.box[1] = 64;
   } else {
     w.dims[0] = reduction, w.dims[1] = g.k;
     w.strides[0] = reduction * elem;

@@ -632,10 +632,11 @@ const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* 
 void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
                     const FusedParams& params) const {
   if (!entry.tensor_maps.empty()) {
-    // Maps hold the buffers' addresses: encoded for the buffers of this launch.
+    // Maps hold the buffers' addresses: encoded for the buffers of this launch (the input's,
+    // and the filters' unless the kernel reads them itself).
     TmaParams args{};
     args.x = CachedTensorMap(entry.tensor_maps[0], params.x);
-    args.w = CachedTensorMap(entry.tensor_maps[1], params.w);
+    if (entry.tensor_maps.size() > 1) args.w = CachedTensorMap(entry.tensor_maps[1], params.w);
     args.p = params;
     LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &args);
     return;
