@@ -2,14 +2,16 @@
 # One call on the GPU machine: build (or reuse a carried build), then the sections asked for,
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
-#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency probe cache
+#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu probe cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS; MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
-# runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets).
+# runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
+# NCU_RUNS, layer:dtype:batch[:layout[:filters]] runs of scripts/ncu_layer.py profiled by Nsight
+# Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -115,6 +117,30 @@ if has latency; then
     done
   done
   cat "$OUT/latency.log"
+fi
+if has ncu; then
+  echo "== Nsight Compute: fused kernel and XLA's kernels per layer"
+  deadline=$(( $(date +%s) + ${NCU_CAP:-240} ))
+  sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
+  stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
+  for run in ${NCU_RUNS:-r50_l3_3x3_256:bfloat16:256}; do
+    IFS=: read -r layer dtype batch layout filters <<< "$run"
+    for which in fused xla; do
+      left=$(( deadline - $(date +%s) ))
+      (( left > 20 )) || { echo "skipped $run $which: out of time"; continue; }
+      report="$OUT/ncu_${layer}_${dtype}_${batch}_${which}.txt"
+      cmd=($py scripts/ncu_layer.py --layer "$layer" --dtype "$dtype" --batch "$batch"
+           --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --which "$which" --calls 1)
+      # shellcheck disable=SC2086
+      timeout "$left" ncu --profile-from-start off --clock-control none $sections $stalls \
+        "${cmd[@]}" > "$report" 2>&1 \
+        || timeout "$left" ncu --profile-from-start off --clock-control none $sections \
+          "${cmd[@]}" > "$report" 2>&1
+      echo "-- $run $which (exit $?)"
+      grep -E "^kernel:|^  [a-zA-Z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Ipc Active|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Shared Memory Configuration Size|stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|lg_throttle|sleeping|dispatch_stall|not_selected|selected|membar|no_instruction)_per" "$report" | head -60
+    done
+  done
 fi
 if has cache; then
   tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
