@@ -1,7 +1,7 @@
 """One benchmark layer's kernels, fused or as XLA runs them, for Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \
-        python scripts/ncu_layer.py --layer r50_l3_3x3_256 --batch 256 --dtype bfloat16 --which fused
+        python scripts/ncu_layer.py --layer r50_l3_3x3_256 --batch 256 --which fused
 
 Compiles the layer's fused plan (the jaxfuse kernel forced, autotuned variant) or the unfused
 composition under ``jax.jit``, warms it up, and only then opens the profiler's window

@@ -102,6 +102,14 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NCHW),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
                       padding="SAME", dtype="float16", **NCHW),
+                 # fp32 (TF32) with few channels: the gathered reduction (the 3-channel
+                 # stem; B gathered too with OIHW filters), MobileNet's 24-channel 1x1.
+                 Case(ops="CBNA", c=3, k=64, n=2, h=19, w=21, r=7, s=7, strides=(2, 2),
+                      padding=((3, 3), (3, 3)), dtype="float32", **NHWC),
+                 Case(ops="CNSA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
+                      padding="SAME", dtype="float32", **NCHW),
+                 Case(ops="CBNA", c=24, k=144, n=4, h=14, w=14, r=1, s=1, padding="VALID",
+                      activation="clipped_relu", dtype="float32", **NHWC),
                  # Depthwise (tiled kernel): partial tiles, stride 2, a side input, several
                  # channel slices, per-activation batch norm, each dtype.
                  Case(ops="CBNSA", c=144, k=144, groups=144, n=4, h=28, w=28,

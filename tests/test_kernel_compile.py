@@ -36,9 +36,10 @@ def expected_solver(case: Case, arch: str, tf32: bool = True) -> str:
         filter_ok = fl in ("HWIO", "OHWI") or taps == 1 or taps <= 32 or cg % 16 != 0
         channels_ok = True
     dtype_ok = case.dtype != "float32" or (tf32 and case.precision != "highest" and
-                                           cg % 16 == 0 and kg % 4 == 0)
+                                           kg % 4 == 0)
     if dtype_ok and filter_ok and channels_ok and kg % 8 == 0:
-        if case.dtype != "float32" and cg % 64 == 0 and arch == "sm_90":
+        if arch == "sm_90" and (cg % 64 == 0 if case.dtype != "float32" else
+                                (cg % 32 == 0 and case.layout == "NHWC")):
             return "conv_wgmma"
         return "conv_igemm"
     if case.groups == case.c == case.k and case.layout == "NHWC" and fl == "HWIO":
@@ -75,8 +76,14 @@ VARIANTS = (
        for dt in ("float16", "bfloat16") for fl in ("OIHW", "HWIO", "OHWI")
        for c, k, n, hw, r in ((16, 24, 1, 9, 3), (64, 64, 8, 28, 3), (64, 256, 4, 28, 1),
                               (512, 512, 2, 7, 3), (32, 48, 2, 9, 5))]
-    + [Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout=fl, c=3, k=64, n=2, h=23,
-            w=21, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3))) for fl in ("OIHW", "HWIO")]
+    + [Case(ops="CBNSA", dtype=dt, layout="NCHW", filter_layout=fl, c=3, k=64, n=2, h=23,
+            w=21, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)))
+       for dt in ("float16", "float32") for fl in ("OIHW", "HWIO")]
+    # fp32 (TF32) few-channel plans in NHWC: the gathered stem, MobileNet's 24-channel 1x1.
+    + [Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", c=c, k=k, n=n,
+            h=hw, w=hw, r=r, s=r, strides=(st, st), padding=((p, p), (p, p)))
+       for c, k, n, hw, r, st, p in ((3, 64, 64, 224, 7, 2, 3), (24, 144, 64, 56, 1, 1, 0),
+                                     (3, 32, 8, 224, 3, 2, 1))]
     + [Case(ops="CNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", c=128, k=64,
             groups=2, h=15, w=13, strides=(2, 1), dilation=(1, 2), padding="SAME",
             bn_mode="per_activation")]
@@ -117,7 +124,10 @@ TILED = [Case(ops="CBNSA", dtype="float16", layout=layout, filter_layout=fl, c=c
               w=hw) for layout, fl, c, k, n, hw in (
                   ("NHWC", "HWIO", 64, 256, 64, 28), ("NHWC", "OHWI", 512, 512, 1, 7),
                   ("NHWC", "HWIO", 3, 64, 8, 56), ("NHWC", "HWIO", 32, 48, 2, 9),
-                  ("NCHW", "OIHW", 512, 512, 1, 7), ("NCHW", "OIHW", 3, 64, 8, 56))]
+                  ("NCHW", "OIHW", 512, 512, 1, 7), ("NCHW", "OIHW", 3, 64, 8, 56))] + [
+    Case(ops="CBNSA", dtype="float32", layout=layout, filter_layout=fl, c=3, k=64, n=8, h=56,
+         w=56, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3)))
+    for layout, fl in (("NHWC", "HWIO"), ("NCHW", "OIHW"))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -151,6 +161,8 @@ def _suite_cases() -> list[Case]:
             if suite == "resnet50":
                 runs += [("NCHW", "OIHW", dtype, n) for dtype in ("float16", "bfloat16")
                          for n in (1, 64)]
+            if suite == "mobilenetv2":  # fp32 (TF32): few-channel layers gather their reduction
+                runs += [("NHWC", "HWIO", "float32", 64)]
             for layout, fl, dtype, n in runs:
                 ops = "CBNA" if layer.activation else "CBN"
                 cases.append(Case(ops=ops, dtype=dtype, layout=layout, filter_layout=fl,
@@ -267,13 +279,14 @@ TF32_CASES = [Case(ops="CBNSA", dtype="float32", layout=layout, filter_layout=fl
 TF32_CASES += [Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", n=n,
                     c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
                     strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2)
-               for layer in _resnet50() for n in (1, 64) if layer.c % 16 == 0]
+               for layer in _resnet50() for n in (1, 64)]
 # ... and in NHWC at batch 64 with HWIO filters and OHWI ones, the layout Hopper's fp32 plans
 # transpose their filters into (jaxfuse.solvers.kernel_filters): every conv_tma tile too.
 TF32_CASES += [Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout=fl, n=64,
                     c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
                     strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2)
-               for layer in _resnet50() for fl in ("HWIO", "OHWI") if layer.c % 16 == 0]
+               for layer in _resnet50() for fl in ("HWIO", "OHWI")
+               if fl == "HWIO" or layer.c % 16 == 0]  # NHWC gathers only HWIO rows
 
 
 @pytest.mark.parametrize("arch", ARCHS)

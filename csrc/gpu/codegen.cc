@@ -208,9 +208,10 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO || !nhwc;
   // NCHW: offsets within a k-tile's channel planes are ints.
   const bool planes_ok = nhwc || spec.h * spec.w < (int64_t{1} << 26);
-  // fp32: TF32 where the plan's precision allows it, whole 16-wide k-steps, 16-byte rows.
+  // fp32: TF32 where the plan's precision allows it, 16-byte rows of B (a few channels
+  // gathered as for 16-bit plans, the 3-channel stem included).
   const bool dtype_ok = spec.dtype != DType::kF32 ||
-                        (Tf32KernelsEnabled() && g.allow_tf32 && cg % 16 == 0 && kg % 4 == 0);
+                        (Tf32KernelsEnabled() && g.allow_tf32 && kg % 4 == 0);
   return !device.hip && ArchNumber(device.arch) >= 80 && dtype_ok && planes_ok &&
          filter_ok && channels_ok && kg % 8 == 0 &&
          g.r * g.s * cg < (int64_t{1} << 31) &&  // the k loop indexes the reduction with int

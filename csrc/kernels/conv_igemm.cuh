@@ -12,7 +12,7 @@
 //
 // Few input channels (the 3-channel stem): the reduction index kk = (r, s, c) is flattened and
 // zero-padded to whole k-tiles, and A is gathered element by element through registers (a
-// tap's 3 channels are not a 16-byte run), prefetched one k-tile ahead; B (HWIO, whose rows
+// tap's 3 channels are not a 16-byte run; 16-bit or fp32 values), prefetched one k-tile ahead; B (HWIO, whose rows
 // are exactly kk) still streams in with cp.async. With K-major filters (NCHW plans with OIHW or
 // OHWI filters) B's rows are runs of the filters that need not start on 16 bytes, and B is
 // gathered the same way.
@@ -76,6 +76,7 @@ constexpr int kColStep = kThreads / kBM;
 constexpr int kPlaneChunks = kAChunksPerRow / (kColStep > 0 ? kColStep : 1);
 // Gathered B: each thread fills kBGatherChunks 16-byte chunks of B's [k][kk] tile.
 constexpr int kBGatherChunks = kBChunks;
+constexpr int kBChunksPerRow = kBK / kChunk;
 
 static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
 static_assert(kBK % 16 == 0, "whole mma k-steps");
@@ -84,8 +85,8 @@ static_assert(!kGatherB || (!kNHWC && kBChunkCount % kThreads == 0), "gathered B
 static_assert(!kPlanesA || (kThreads % kBM == 0 && kPlaneChunks * kColStep == kAChunksPerRow),
               "NCHW: a thread's chunks cover its columns");
 static_assert(!kPlanesA || !kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per tap");
-static_assert(!kGatherA || (kThreads % kBM == 0 && kGatherRun % 8 == 0), "one row per thread");
-static_assert(!kGatherA || !kTf32, "gathered A: 16-bit values");
+static_assert(!kGatherA || (kThreads % kBM == 0 && kGatherRun % kChunk == 0),
+              "one row per thread, whole 16-byte chunks");
 static_assert(KG % kChunk == 0 && (kGatherA || C % kChunk == 0), "16-byte rows");
 static_assert(kStages * kStage * static_cast<int>(sizeof(Elem)) <= kSmemBytes &&
               kBM * kCPitch * 4 <= kSmemBytes, "shared memory budget");
@@ -93,7 +94,7 @@ static_assert(kStages * kStage * static_cast<int>(sizeof(Elem)) <= kSmemBytes &&
 // Gathered A: this thread's kGatherRun consecutive kk of its row, into registers. (NCHW: the
 // value's channel plane; kk = (c, r, s) for OIHW filters: kFlatCRS.)
 JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, int kt, i64 channel0, int tid,
-                        u16 (&values)[kGatherRun]) {
+                        Elem (&values)[kGatherRun]) {
   const i64 kk0 = i64(kt) * kBK + (tid % kGatherThreadsPerRow) * kGatherRun;
 #pragma unroll
   for (int j = 0; j < kGatherRun; ++j) {
@@ -104,42 +105,40 @@ JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, int kt, i64 chan
           ? a_source(x, row, tap / static_cast<int>(S), tap % static_cast<int>(S),
                      channel0 + kk % CG)
           : nullptr;
-      values[j] = src ? *src : u16(0);
+      values[j] = src ? *src : Elem(0);
     } else {
       const int tap = static_cast<int>(kFlatCRS ? kk % kTaps : kk / CG);
       const i64 c = kFlatCRS ? kk / kTaps : kk % CG;
       const int ih = row.ih0 + tap / static_cast<int>(S) * static_cast<int>(DH);
       const int iw = row.iw0 + tap % static_cast<int>(S) * static_cast<int>(DW);
       const bool inside = kk < kReduction && row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
-      values[j] = inside ? x[row.image + (channel0 + c) * kPlane + i64(ih) * W + iw] : u16(0);
+      values[j] = inside ? x[row.image + (channel0 + c) * kPlane + i64(ih) * W + iw] : Elem(0);
     }
   }
 }
 
 // Gathered B (K-major filters): this thread's chunks of k-tile kt's [k][kk] slice.
 JF_DEVICE void gather_b(const Io::type* w, int kt, i64 group, int n0, int tid,
-                        u16 (&values)[kBGatherChunks * 8]) {
+                        Elem (&values)[kBGatherChunks * kChunk]) {
 #pragma unroll
   for (int i = 0; i < kBGatherChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    const int k = n0 + chunk / (kBK / 8);
-    const i64 kk0 = i64(kt) * kBK + chunk % (kBK / 8) * 8;
-    const u16* row = reinterpret_cast<const u16*>(w + b_offset(group, 0, 0, k));
+    const int k = n0 + chunk / kBChunksPerRow;
+    const i64 kk0 = i64(kt) * kBK + chunk % kBChunksPerRow * kChunk;
+    const Io::type* row = w + b_offset(group, 0, 0, k);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      values[i * 8 + e] = k < KG && kk0 + e < kReduction ? row[kk0 + e] : u16(0);
+    for (int e = 0; e < kChunk; ++e) {
+      values[i * kChunk + e] = k < KG && kk0 + e < kReduction ? row[kk0 + e] : Elem(0);
     }
   }
 }
 
-JF_DEVICE void store_gathered_b(u16* sb, int tid, const u16 (&values)[kBGatherChunks * 8]) {
+JF_DEVICE void store_gathered_b(Elem* sb, int tid, const Elem (&values)[kBGatherChunks * kChunk]) {
 #pragma unroll
   for (int i = 0; i < kBGatherChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    Vec16 packed;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) reinterpret_cast<u16*>(&packed)[e] = values[i * 8 + e];
-    *reinterpret_cast<Vec16*>(sb + chunk / (kBK / 8) * kBPitch + chunk % (kBK / 8) * 8) = packed;
+    *reinterpret_cast<Vec16*>(sb + chunk / kBChunksPerRow * kBPitch +
+                              chunk % kBChunksPerRow * kChunk) = pack_chunk(values + i * kChunk);
   }
 }
 
@@ -158,14 +157,11 @@ JF_DEVICE void store_a_planes(Elem* sa, int tid, const Elem (&v)[kPlaneChunks * 
   }
 }
 
-JF_DEVICE void store_gathered_a(u16* sa, int tid, const u16 (&values)[kGatherRun]) {
-  u16* dst = sa + (tid / kGatherThreadsPerRow) * kAPitch + (tid % kGatherThreadsPerRow) * kGatherRun;
+JF_DEVICE void store_gathered_a(Elem* sa, int tid, const Elem (&values)[kGatherRun]) {
+  Elem* dst = sa + (tid / kGatherThreadsPerRow) * kAPitch + (tid % kGatherThreadsPerRow) * kGatherRun;
 #pragma unroll
-  for (int j = 0; j < kGatherRun; j += 8) {
-    Vec16 packed;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) reinterpret_cast<u16*>(&packed)[e] = values[j + e];
-    *reinterpret_cast<Vec16*>(dst + j) = packed;
+  for (int j = 0; j < kGatherRun; j += kChunk) {
+    *reinterpret_cast<Vec16*>(dst + j) = pack_chunk(values + j);
   }
 }
 
@@ -332,8 +328,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
 
   if (kGatherA) {
     // Two stages; the next k-tile's A is gathered into registers while this one multiplies.
-    u16 values[kGatherRun];
-    u16 b_values[kBGatherChunks * 8];  // kGatherB only
+    Elem values[kGatherRun];
+    Elem b_values[kBGatherChunks * kChunk];  // kGatherB only
     gather_a(x, rows[0], 0, channel0, tid, values);
     if (kGatherB) {
       gather_b(w, 0, group, n0, tid, b_values);
@@ -343,8 +339,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     mma::commit_copies();
     for (int kt = 0; kt < kKTiles; ++kt) {
       Elem* stage = stages + (kt % 2) * kStage;
-      store_gathered_a(reinterpret_cast<u16*>(stage), tid, values);
-      if (kGatherB) store_gathered_b(reinterpret_cast<u16*>(stage + kATile), tid, b_values);
+      store_gathered_a(stage, tid, values);
+      if (kGatherB) store_gathered_b(stage + kATile, tid, b_values);
       mma::wait_copies<0>();
       __syncthreads();  // stage kt complete; the other stage's last readers are done
       if (kt + 1 < kKTiles) {
