@@ -110,6 +110,18 @@ _VARIANTS_CHILD = textwrap.dedent("""
                       padding="SAME", dtype="float32", **NCHW),
                  Case(ops="CBNA", c=24, k=144, n=4, h=14, w=14, r=1, s=1, padding="VALID",
                       activation="clipped_relu", dtype="float32", **NHWC),
+                 # NHWC taps of whole 16-byte chunks, not whole k-tiles: chunk-by-chunk copies
+                 # across taps and the reduction's zero-filled end, each filter layout.
+                 Case(ops="CBNSA", c=24, k=144, n=4, h=15, w=13, r=1, s=1, padding="VALID",
+                      dtype="bfloat16", **NHWC),
+                 Case(ops="CBNA", c=24, k=40, n=2, h=11, w=9, r=1, s=1, padding="VALID",
+                      dtype="float16", layout="NHWC", filter_layout="OHWI"),
+                 Case(ops="CBNA", c=8, k=64, n=2, h=12, w=10, strides=(2, 1), padding="SAME",
+                      dtype="bfloat16", **NHWC),
+                 Case(ops="CNA", c=40, k=32, n=2, h=9, w=9, dilation=(2, 1), dtype="float16",
+                      layout="NHWC", filter_layout="OHWI"),
+                 Case(ops="CBNA", c=12, k=48, n=2, h=10, w=11, padding=((2, 0), (1, 1)),
+                      dtype="float32", **NHWC),
                  # Depthwise (tiled kernel): partial tiles, stride 2, a side input, several
                  # channel slices, per-activation batch norm, each dtype.
                  Case(ops="CBNSA", c=144, k=144, groups=144, n=4, h=28, w=28,

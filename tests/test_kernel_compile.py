@@ -31,7 +31,7 @@ def expected_solver(case: Case, arch: str, tf32: bool = True) -> str:
     fl = case.filter_layout
     if case.layout == "NHWC":
         filter_ok = fl in ("HWIO", "OHWI") or taps == 1
-        channels_ok = cg % 16 == 0 or fl == "HWIO"
+        channels_ok = cg % (4 if case.dtype == "float32" else 8) == 0 or fl == "HWIO"
     else:  # NCHW: A gathered; OIHW of several taps reduces over (c, r, s), a 32-bit tap mask
         filter_ok = fl in ("HWIO", "OHWI") or taps == 1 or taps <= 32 or cg % 16 != 0
         channels_ok = True
@@ -84,6 +84,12 @@ VARIANTS = (
             h=hw, w=hw, r=r, s=r, strides=(st, st), padding=((p, p), (p, p)))
        for c, k, n, hw, r, st, p in ((3, 64, 64, 224, 7, 2, 3), (24, 144, 64, 56, 1, 1, 0),
                                      (3, 32, 8, 224, 3, 2, 1))]
+    # NHWC taps of whole 16-byte chunks but not whole k-tiles (copied chunk by chunk): every
+    # dtype, 1x1 and 3x3, HWIO and K-major filters.
+    + [Case(ops="CBNSA", dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=48, n=2, h=11, w=9,
+            r=r, s=r, padding=((r // 2, r // 2),) * 2)
+       for dt, c in (("bfloat16", 24), ("float16", 8), ("float16", 40), ("float32", 12))
+       for fl in ("HWIO", "OHWI") for r in (1, 3)]
     + [Case(ops="CNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", c=128, k=64,
             groups=2, h=15, w=13, strides=(2, 1), dilation=(1, 2), padding="SAME",
             bn_mode="per_activation")]

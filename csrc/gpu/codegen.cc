@@ -203,9 +203,11 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool filter_ok = g.filter_layout == FilterLayout::kHWIO ||
                          g.filter_layout == FilterLayout::kOHWI ||
                          (g.filter_layout == FilterLayout::kOIHW && oihw_ok);
-  // Channel counts that are not whole 16-wide k-steps are gathered (HWIO filters; NCHW: any, B
-  // gathered too when its rows are not 16-byte runs).
-  const bool channels_ok = cg % 16 == 0 || g.filter_layout == FilterLayout::kHWIO || !nhwc;
+  // Channel counts that are not whole 16-wide k-steps: NHWC taps of whole 16-byte chunks
+  // stream in chunk by chunk, fewer channels are gathered (HWIO filters; NCHW: any, B gathered
+  // too when its rows are not 16-byte runs).
+  const bool channels_ok = cg % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0 ||
+                           g.filter_layout == FilterLayout::kHWIO || !nhwc;
   // NCHW: offsets within a k-tile's channel planes are ints.
   const bool planes_ok = nhwc || spec.h * spec.w < (int64_t{1} << 26);
   // fp32: TF32 where the plan's precision allows it, 16-byte rows of B (a few channels
@@ -218,11 +220,19 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
 }
 
+// A reduction that is not whole k-tiles and whose taps are not whole 16-byte chunks of NHWC
+// pixels is gathered value by value through registers (conv_igemm.cuh: kGatherA).
+bool GathersA(const PlanSpec& spec) {
+  const int64_t cg = spec.c / spec.conv.groups;
+  const bool chunks = spec.layout == Layout::kNHWC &&
+                      cg % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0;
+  return cg % 16 != 0 && !chunks;
+}
+
 // Few channels and K-major filters (NCHW only): B's rows are not 16-byte runs, and B is gathered
 // through registers like A (conv_igemm.cuh: kGatherB).
 bool GathersB(const PlanSpec& spec) {
-  const ConvGeometry& g = spec.conv;
-  return (spec.c / g.groups) % 16 != 0 && g.filter_layout != FilterLayout::kHWIO;
+  return GathersA(spec) && spec.conv.filter_layout != FilterLayout::kHWIO;
 }
 
 // CTAs per multiprocessor for the 128x64 tile: TF32 plans gathering NCHW data over (c, r, s)
@@ -242,12 +252,12 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
   const int64_t m = spec.n * spec.out_h * spec.out_w;
-  const int bk = cg % 32 == 0 ? 32 : 16;
+  const int bk = cg % 32 == 0 || cg % 16 != 0 ? 32 : 16;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
   auto ctas = [&](int bm, int bn) {
     return ((m + bm - 1) / bm) * ((kg + bn - 1) / bn) * g.groups;
   };
-  if (cg % 16 != 0) {  // gathered A: two stages, tiles sized for occupancy
+  if (GathersA(spec)) {  // gathered A: two stages, tiles sized for occupancy
     // (B gathered too, with K-major filters: more registers than two 256-thread CTAs hold.)
     const int wide_blocks = GathersB(spec) ? 1 : 2;
     return ctas(128, 64) >= sms ? IgemmTile{128, 64, 32, 4, 2, 2, wide_blocks}
@@ -514,14 +524,24 @@ std::vector<IgemmTile> IgemmCandidates(const PlanSpec& spec, const DeviceInfo& d
   const int bk = cg % 32 == 0 || cg % 16 != 0 ? 32 : 16;
   const int elem = spec.dtype == DType::kF32 ? 4 : 2;
   std::vector<IgemmTile> all = {ChooseIgemmTile(spec, device)};
-  all[0].elem = elem;
   std::vector<IgemmTile> extras =
-      cg % 16 != 0 ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, GathersB(spec) ? 1 : 2},
+      GathersA(spec) ? std::vector<IgemmTile>{{128, 64, 32, 4, 2, 2, GathersB(spec) ? 1 : 2},
                                             {64, 64, 32, 2, 2, 2, 3}}
                    : std::vector<IgemmTile>{{128, 128, bk, 2, 4, 4, 1},
                                             {128, 64, bk, 4, 2, 4, Igemm128x64Blocks(spec)},
                                             {64, 64, bk, 2, 2, 4, 3}};
-  for (IgemmTile& t : extras) t.elem = elem;
+  // Few output channels (MobileNet's 16- and 24-channel projections): a tile as narrow as
+  // they are, so a CTA's copies and epilogue are not three quarters padding.
+  if (!GathersA(spec) && kg <= 32) extras.push_back({128, kg <= 16 ? 16 : 32, bk, 4, 1, 4, 4});
+  // Short reductions fill few stages: no more than they use, so more CTAs fit (a one-k-tile
+  // 1x1 layer's CTA then holds two stages, not four).
+  const int64_t k_tiles = (g.r * g.s * cg + bk - 1) / bk;
+  auto fit_stages = [&](IgemmTile& t) {
+    t.elem = elem;
+    t.stages = static_cast<int>(std::min<int64_t>(t.stages, std::max<int64_t>(2, k_tiles + 1)));
+  };
+  fit_stages(all[0]);
+  for (IgemmTile& t : extras) fit_stages(t);
   for (const IgemmTile& t : extras) {
     const bool seen = std::any_of(all.begin(), all.end(), [&](const IgemmTile& u) {
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages;

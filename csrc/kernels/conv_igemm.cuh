@@ -44,7 +44,12 @@ constexpr int kKStep = kTf32 ? 8 : 16;                          // k of one mma 
 constexpr int kThreads = kWarpsM * kWarpsN * kWarpSize;
 constexpr int kWM = kBM / kWarpsM, kWN = kBN / kWarpsN;  // one warp's tile
 constexpr int kFragsM = kWM / 16, kFragsN = kWN / 8;     // mma tiles per warp
-constexpr bool kGatherA = CG % kBK != 0;  // few channels: flattened, gathered reduction
+// Channel counts that are not whole k-tiles flatten the reduction kk = (tap, c). NHWC rows
+// whose taps are whole 16-byte chunks (24 16-bit channels, 12 fp32 ones, ...) still stream in
+// with cp.async, each chunk finding its own tap (kChunkedA); fewer or odd channels are gathered
+// value by value (kGatherA).
+constexpr bool kChunkedA = CG % kBK != 0 && kNHWC && CG % kChunk == 0;
+constexpr bool kGatherA = CG % kBK != 0 && !kChunkedA;
 constexpr bool kGatherB = kGatherA && kFiltersKMajor;  // ... whose filter rows are not aligned
 constexpr bool kPlanesA = !kNHWC && !kGatherA;        // NCHW: rows gathered by gather_planes
 constexpr i64 kReduction = kTaps * CG;
@@ -175,7 +180,16 @@ JF_DEVICE void load_a(const Io::type* x, Elem* sa, const PixelRow* rows, int kt,
     const int chunk = tid + i * kThreads;
     if (kAChunkCount % kThreads != 0 && chunk >= kAChunkCount) break;
     const int row = chunk / kAChunksPerRow, col = chunk % kAChunksPerRow * kChunk;
-    const Io::type* src = a_source(x, rows[i], r, s, channel0 + c0 + col);
+    const Io::type* src;
+    if (kChunkedA) {  // the k-tile spans taps (and the reduction's zero-filled end)
+      const int kk = kk0 + col, chunk_tap = kk / static_cast<int>(CG);
+      src = kk < kReduction ? a_source(x, rows[i], chunk_tap / static_cast<int>(S),
+                                       chunk_tap % static_cast<int>(S),
+                                       channel0 + kk % static_cast<int>(CG))
+                            : nullptr;
+    } else {
+      src = a_source(x, rows[i], r, s, channel0 + c0 + col);
+    }
     mma::copy16_async(mma::smem_addr(sa + row * kAPitch + col), src ? src : x, src);
   }
 }
@@ -305,7 +319,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);
   const Io::type* w = static_cast<const Io::type*>(p.w);
-  fill_terms<kBN, kThreads>(ep, terms, n0, group);
   PixelRow rows[kGatherA ? 1 : kAChunks];
   if (kGatherA) {
     rows[0] = pixel_row(m0 + tid / kGatherThreadsPerRow);
@@ -337,6 +350,9 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
       load_b(w, stages + kATile, 0, group, n0, tid);
     }
     mma::commit_copies();
+    // The epilogue's per-channel terms, loaded once the first k-tiles' copies are issued so
+    // that their latencies overlap (a one-k-tile reduction waits for both only once).
+    fill_terms<kBN, kThreads>(ep, terms, n0, group);
     for (int kt = 0; kt < kKTiles; ++kt) {
       Elem* stage = stages + (kt % 2) * kStage;
       store_gathered_a(stage, tid, values);
@@ -370,6 +386,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     if (kStages - 1 < kKTiles) {
       gather_a_planes(x, rows[0], taps, kStages - 1, channel0, tid, staged);
     }
+    fill_terms<kBN, kThreads>(ep, terms, n0, group);  // as above
     for (int kt = 0; kt < kKTiles; ++kt) {
       mma::wait_copies<kStages - 2>();
       __syncthreads();  // stage kt is visible to all; stage kt - 1 is free to refill
@@ -396,6 +413,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::
     }
     mma::commit_copies();
   }
+  fill_terms<kBN, kThreads>(ep, terms, n0, group);  // as above
   for (int kt = 0; kt < kKTiles; ++kt) {
     mma::wait_copies<kStages - 2>();
     __syncthreads();  // stage kt is visible to all; stage kt - 1 is free to refill

@@ -255,13 +255,14 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
   }
 }
 
-// One consumer warpgroup's epilogue: its 64 rows (m_rows..) x kBN channels (n0..) of `group`.
+// One consumer warpgroup's epilogue: its 64 rows (m_rows..) x kBN channels (n0..) of `group`
+// (`new_channels`: other channels than its previous tile's, whose terms the table holds).
 JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
-                          Epilogue::Channel* terms, int consumer, int thread, i64 m_rows, int n0,
-                          i64 group, Io::type* y) {
+                          Epilogue::Channel* terms, bool new_channels, int consumer, int thread,
+                          i64 m_rows, int n0, i64 group, Io::type* y) {
   SideChunk side[kSliceChunks];
   if constexpr (kSideAhead) load_slice_side<0>(ep, thread, m_rows, n0, group, side);
-  fill_terms<kBN, 128>(ep, terms, n0, group, thread);
+  if (new_channels) fill_terms<kBN, 128>(ep, terms, n0, group, thread);
   store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, m_rows, n0, group, y);
 }
 
@@ -272,6 +273,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
   const Epilogue ep(args.p);
   Io::type* y = static_cast<Io::type*>(args.p.y);
   u32 it = 0;
+  i64 channels = -1;  // the first channel of the previous tile's, in the terms table
   for (i64 tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
     const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
     float acc[kBN / 2];
@@ -292,7 +294,10 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 #pragma unroll
     for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[i]);
     tma::arrive(ring.empty_bar(previous));
-    store_rows(ep, acc, staging, terms, consumer, thread, m0 + consumer * 64, n0, group, y);
+    const i64 first_channel = group * KG + n0;
+    store_rows(ep, acc, staging, terms, first_channel != channels, consumer, thread,
+               m0 + consumer * 64, n0, group, y);
+    channels = first_channel;
   }
 }
 

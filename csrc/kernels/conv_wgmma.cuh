@@ -188,7 +188,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);
   const Io::type* w = static_cast<const Io::type*>(p.w);
-  fill_terms<kBN, kThreads>(ep, terms, n0, group);
   PixelRow rows[kAChunks];
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
@@ -226,6 +225,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   if (kGatherA && kAhead < k_tiles) {
     gather_a(x, rows[0], taps, kt_begin + kAhead, group * CG, tid, staged);
   }
+  // The epilogue's per-channel terms, loaded while the first copies are in flight.
+  fill_terms<kBN, kThreads>(ep, terms, n0, group);
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
     wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
