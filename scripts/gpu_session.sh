@@ -5,7 +5,8 @@
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu probe cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
-# (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS; MODEL_RUNS, a list of
+# (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_MATCH (a
+# regular expression on layer names); MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
@@ -80,7 +81,8 @@ if has layers; then
   # shellcheck disable=SC2086
   timeout "${LAYERS_CAP:-300}" $py -m jaxfuse.bench --suite ${LAYER_SUITES:-resnet50 na} \
     --batch ${LAYER_BATCH:-1 64} --dtype ${LAYER_DTYPES:-bfloat16} \
-    --layout ${LAYER_LAYOUTS:-NHWC} ${LAYER_FILTERS:+--filter-layout $LAYER_FILTERS} --repeats 10 --json "$OUT/layers.json" \
+    --layout ${LAYER_LAYOUTS:-NHWC} ${LAYER_FILTERS:+--filter-layout $LAYER_FILTERS} \
+    ${LAYER_MATCH:+--layers "$LAYER_MATCH"} --repeats 10 --json "$OUT/layers.json" \
     --plot "$OUT/layers.png" --no-progress > "$OUT/layers.log" 2>&1
   echo "bench exit $? in $(( $(date +%s) - start )) s"
   grep -E "^geomean" "$OUT/layers.log"

@@ -122,6 +122,10 @@ _VARIANTS_CHILD = textwrap.dedent("""
                       layout="NHWC", filter_layout="OHWI"),
                  Case(ops="CBNA", c=12, k=48, n=2, h=10, w=11, padding=((2, 0), (1, 1)),
                       dtype="float32", **NHWC),
+                 # <= 32 output channels: the narrow tiles (128x16, 128x32), NCHW too.
+                 Case(ops="CBNA", c=16, k=24, n=4, h=15, w=13, dtype="float32", **NHWC),
+                 Case(ops="CBNSA", c=32, k=24, n=4, h=13, w=15, r=1, s=1, padding="VALID",
+                      dtype="float16", **NCHW),
                  # Depthwise (tiled kernel): partial tiles, stride 2, a side input, several
                  # channel slices, per-activation batch norm, each dtype.
                  Case(ops="CBNSA", c=144, k=144, groups=144, n=4, h=28, w=28,

@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--layers", default=None, metavar="REGEX",
+                        help="only the suites' layers whose names match (re.search)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [BenchCase(layer, n, dtype, layout, args.ops if layer.has_conv else "NA",
                        filters if layer.has_conv else None)
              for suite in args.suite for layer in SUITES[suite]
+             if args.layers is None or re.search(args.layers, layer.name)
              for n in args.batch for dtype in args.dtype for layout in args.layout
              for filters in args.filter_layout]
     rows = []
