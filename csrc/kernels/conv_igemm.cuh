@@ -101,24 +101,34 @@ static_assert(kStages * kStage * static_cast<int>(sizeof(Elem)) <= kSmemBytes &&
 JF_DEVICE void gather_a(const Io::type* x, const PixelRow& row, int kt, i64 channel0, int tid,
                         Elem (&values)[kGatherRun]) {
   const i64 kk0 = i64(kt) * kBK + (tid % kGatherThreadsPerRow) * kGatherRun;
+  if (kNHWC) {
+    // kk = (r, s, c) stepped from kk0 (divisions once per run, not per value); kk past the
+    // reduction is r == R.
+    const int tap = static_cast<int>(kk0 / CG);
+    int c = static_cast<int>(kk0 - i64(tap) * CG);
+    int r = tap / static_cast<int>(S), s = tap - r * static_cast<int>(S);
+    const Io::type* image = x + row.image + channel0;
+#pragma unroll
+    for (int j = 0; j < kGatherRun; ++j) {
+      const int ih = row.ih0 + r * static_cast<int>(DH), iw = row.iw0 + s * static_cast<int>(DW);
+      const bool inside = row.valid && r < R && ih >= 0 && ih < H && iw >= 0 && iw < W;
+      values[j] = inside ? image[i64(ih * static_cast<int>(W) + iw) * C + c] : Elem(0);
+      if (++c == static_cast<int>(CG)) {
+        c = 0;
+        if (++s == static_cast<int>(S)) s = 0, ++r;
+      }
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < kGatherRun; ++j) {
     const i64 kk = kk0 + j;
-    if (kNHWC) {
-      const int tap = static_cast<int>(kk / CG);
-      const Io::type* src = kk < kReduction
-          ? a_source(x, row, tap / static_cast<int>(S), tap % static_cast<int>(S),
-                     channel0 + kk % CG)
-          : nullptr;
-      values[j] = src ? *src : Elem(0);
-    } else {
-      const int tap = static_cast<int>(kFlatCRS ? kk % kTaps : kk / CG);
-      const i64 c = kFlatCRS ? kk / kTaps : kk % CG;
-      const int ih = row.ih0 + tap / static_cast<int>(S) * static_cast<int>(DH);
-      const int iw = row.iw0 + tap % static_cast<int>(S) * static_cast<int>(DW);
-      const bool inside = kk < kReduction && row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
-      values[j] = inside ? x[row.image + (channel0 + c) * kPlane + i64(ih) * W + iw] : Elem(0);
-    }
+    const int tap = static_cast<int>(kFlatCRS ? kk % kTaps : kk / CG);
+    const i64 c = kFlatCRS ? kk / kTaps : kk % CG;
+    const int ih = row.ih0 + tap / static_cast<int>(S) * static_cast<int>(DH);
+    const int iw = row.iw0 + tap % static_cast<int>(S) * static_cast<int>(DW);
+    const bool inside = kk < kReduction && row.valid && ih >= 0 && ih < H && iw >= 0 && iw < W;
+    values[j] = inside ? x[row.image + (channel0 + c) * kPlane + i64(ih) * W + iw] : Elem(0);
   }
 }
 
