@@ -235,6 +235,48 @@ _TMA_CHILD = textwrap.dedent("""
 """)
 
 
+# The warp-specialized kernel's ping-pong schedule (JAXFUSE_TMA_PINGPONG=1: each consumer
+# warpgroup its own tiles, in turn) forced on blocks of two and more tiles, odd tile counts,
+# partial tiles, each filter form (TF32's transposed B included) and a side input.
+_PINGPONG_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case
+    import jaxfuse.solvers
+    gpu = jax.devices("gpu")[0]
+    NHWC = dict(layout="NHWC", filter_layout="HWIO")
+    # Every plan in its own filter form (fp32 HWIO: B transposed in the kernel).
+    jaxfuse.solvers.kernel_filters = lambda signature, device: None
+    for case in [
+        Case(ops="CBNA", c=64, k=128, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+        Case(ops="CBNSA", c=256, k=96, n=12, h=27, w=29, r=1, s=1, padding="VALID",
+             dtype="float16", layout="NHWC", filter_layout="OHWI"),
+        Case(ops="CNA", c=128, k=128, n=9, h=30, w=30, strides=(2, 2), padding="SAME",
+             bn_mode="per_activation", dtype="bfloat16", **NHWC),
+        Case(ops="CBNA", c=64, k=64, n=16, h=28, w=28, dtype="float32", **NHWC),
+        Case(ops="CBNSA", c=64, k=128, n=8, h=28, w=28, r=1, s=1, padding="VALID",
+             dtype="float32", layout="NHWC", filter_layout="OHWI"),
+        Case(ops="CBA", c=128, k=64, n=1, h=7, w=7, dtype="float16", **NHWC),
+    ]:
+        plan, _ = case.build()
+        plan.compile(gpu, solver="fused")
+        info = plan.kernel_info
+        assert plan.solver == "conv_tma" and info.get("tile", "").endswith(" pp"), info
+        run_case(case, gpu, solver="fused")
+    print("ok")
+""")
+
+
+def test_the_ping_pong_schedule_is_correct(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_TMA_PINGPONG": "1",
+           "JAXFUSE_KERNEL_VARIANT": "conv_tma pp"}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           _PINGPONG_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
 def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma"}
     done = subprocess.run([sys.executable, "-P", "-c",

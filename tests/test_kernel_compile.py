@@ -310,3 +310,35 @@ def test_fp32_plans_compile_on_the_tf32_kernel(case: Case, arch: str, monkeypatc
                                             variant=variant)["binary_bytes"] > 0
     exact = dataclasses.replace(case, precision="highest").build()[0].signature.encode()
     assert extension().gpu_compile_only("CUDA", exact, arch)["solver"] == "conv_direct"
+
+
+# conv_tma's ping-pong schedule (offered only with JAXFUSE_TMA_PINGPONG=1 until it has run on a
+# GPU): a copy of every one-block tile up to 128 wide, each compiling; none without the switch.
+PINGPONG = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+                 r=r, s=r, padding=((r // 2, r // 2),) * 2)
+            for ops, dt, fl, c, k, n, hw, r in (
+                ("CBNA", "bfloat16", "HWIO", 64, 128, 16, 56, 3),
+                ("CBNSA", "float16", "OHWI", 256, 96, 12, 27, 1),
+                ("CBNA", "float32", "HWIO", 64, 64, 16, 28, 3),
+                ("CBNSA", "float32", "OHWI", 64, 128, 8, 28, 1))]
+
+
+@pytest.mark.parametrize("case", PINGPONG, ids=str)
+def test_ping_pong_tiles_compile_only_when_asked_for(case: Case, monkeypatch) -> None:
+    encoded = case.build()[0].signature.encode()
+
+    def tiles() -> list[str]:
+        count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
+        outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
+                for v in range(count)]
+        assert all(out["binary_bytes"] > 0 for out in outs)
+        return [out["tile"] for out in outs if out["solver"] == "conv_tma"]
+
+    monkeypatch.delenv("JAXFUSE_TMA_PINGPONG", raising=False)
+    plain = tiles()
+    assert plain and not any(t.endswith(" pp") for t in plain)
+    monkeypatch.setenv("JAXFUSE_TMA_PINGPONG", "1")
+    both = tiles()
+    expected = [t + " pp" for t in plain if " b1" in t and int(t.split()[0][4:]) <= 128]
+    assert expected and [t for t in both if t.endswith(" pp")] == expected
+

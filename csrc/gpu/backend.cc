@@ -52,13 +52,23 @@ void Count(int64_t BackendStats::*counter, int64_t amount = 1) {
 int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& device, int ordinal,
                   const RuntimeCompiler& compiler) {
   const int count = CountVariants(spec, device);
-  // JAXFUSE_KERNEL_VARIANT=i forces variant i, and =<solver> (e.g. conv_tma) the first variant
-  // of that solver where it applies (tests check every variant's results with it).
+  // JAXFUSE_KERNEL_VARIANT=i forces variant i, =<solver> (e.g. conv_tma) the first variant of
+  // that solver where it applies, and =<solver> <suffix> (e.g. "conv_tma pp") the first whose
+  // tile label ends with the suffix (tests check every variant's results with it).
   static const char* forced = std::getenv("JAXFUSE_KERNEL_VARIANT");
   if (forced != nullptr && *forced) {
     if (*forced >= '0' && *forced <= '9') return std::clamp(std::atoi(forced), 0, count - 1);
+    const std::string wanted = forced;
     for (int i = 0; i < count; ++i) {
-      if (GenerateKernel(spec, device, i).solver == forced) return i;
+      const GeneratedKernel v = GenerateKernel(spec, device, i);
+      if (v.solver == wanted) return i;
+      const std::string prefix = v.solver + " ";
+      if (wanted.rfind(prefix, 0) != 0) continue;
+      const std::string suffix = wanted.substr(prefix.size());
+      if (v.tile.size() >= suffix.size() &&
+          v.tile.compare(v.tile.size() - suffix.size(), suffix.size(), suffix) == 0) {
+        return i;
+      }
     }
     return 0;
   }

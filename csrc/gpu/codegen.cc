@@ -381,7 +381,8 @@ std::string WgmmaConstants(const WgmmaTile& t) {
 
 struct TmaTile {
   int bn, stages, epi_cols;
-  int blocks = 1;  // per multiprocessor
+  int blocks = 1;         // per multiprocessor
+  bool pingpong = false;  // consumers take whole tiles in turn (conv_tma.cuh: kPingPong)
   static constexpr int kBM = 128, kThreads = 384;
   // Dynamic shared memory: the ring of stages, two staging tiles, the ring's barriers, and
   // alignment slack; plus the static per-warpgroup tables of epilogue terms (20 bytes each).
@@ -421,6 +422,12 @@ bool TmaTransposesB(const PlanSpec& spec) {
   return spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO;
 }
 
+// JAXFUSE_TMA_PINGPONG=1 adds conv_tma's ping-pong tiles to the autotuner's candidates.
+bool TmaPingPongEnabled() {
+  const char* value = std::getenv("JAXFUSE_TMA_PINGPONG");
+  return value != nullptr && std::string(value) == "1";
+}
+
 // As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
 TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8) {
   TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks};
@@ -453,6 +460,17 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
                                                           4, std::max<int64_t>(2, k_tiles + 1))));
     if (tile.stages >= 2) all.push_back(tile);
   }
+  // The ping-pong schedule, until it has run on a GPU only where asked for.
+  if (TmaPingPongEnabled()) {
+    const size_t single = all.size();
+    for (size_t i = 0; i < single; ++i) {
+      if (all[i].blocks == 1 && all[i].bn <= 128) {
+        TmaTile tile = all[i];
+        tile.pingpong = true;
+        all.push_back(tile);
+      }
+    }
+  }
   return all;
 }
 
@@ -460,6 +478,7 @@ std::string TmaConstants(const TmaTile& t) {
   Text s;
   s << "constexpr int kBN = " << t.bn << ", kStages = " << t.stages
     << ", kEpiCols = " << t.epi_cols << ", kBlocks = " << t.blocks << ";\n"
+    << "constexpr bool kPingPong = " << (t.pingpong ? "true" : "false") << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
   return s.str();
 }
@@ -856,7 +875,8 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       const int sms = device.sm_count > 0 ? device.sm_count : 132;
       out.solver = "conv_tma";
       out.tile = "128x" + std::to_string(tile.bn) + " s" + std::to_string(tile.stages) + " e" +
-                 std::to_string(tile.epi_cols) + " b" + std::to_string(tile.blocks);
+                 std::to_string(tile.epi_cols) + " b" + std::to_string(tile.blocks) +
+                 (tile.pingpong ? " pp" : "");
       out.compile_arch = "sm_90a";
       const int dtype = spec.dtype == DType::kBF16 ? 2 : spec.dtype == DType::kF16 ? 1 : 0;
       out.source = TranslationUnit(spec, TmaConstants(tile), {}) +
