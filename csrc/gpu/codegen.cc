@@ -386,8 +386,9 @@ struct TmaTile {
   static constexpr int kBM = 128, kThreads = 384;
   // Dynamic shared memory: the ring of stages, two staging tiles, the ring's barriers, and
   // alignment slack; plus the static per-warpgroup tables of epilogue terms (20 bytes each).
-  int SmemBytes() const {
-    return stages * (kBM + bn) * 128 + 2 * 64 * (epi_cols + 4) * 4 + 16 * stages + 1024;
+  int SmemBytes() const {  // (ping-pong: two more barriers, the consumers' turns)
+    return stages * (kBM + bn) * 128 + 2 * 64 * (epi_cols + 4) * 4 + 16 * stages +
+           (pingpong ? 16 : 0) + 1024;
   }
   int StaticSmemBytes() const { return 2 * bn * 20; }
 };
@@ -466,8 +467,11 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
     for (size_t i = 0; i < single; ++i) {
       if (all[i].blocks == 1 && all[i].bn <= 128) {
         TmaTile tile = all[i];
-        tile.pingpong = true;
-        all.push_back(tile);
+        tile.pingpong = true;  // (its turn barriers may cost a stage)
+        while (tile.stages > 3 && tile.SmemBytes() + tile.StaticSmemBytes() > max_smem) {
+          --tile.stages;
+        }
+        if (tile.SmemBytes() + tile.StaticSmemBytes() <= max_smem) all.push_back(tile);
       }
     }
   }

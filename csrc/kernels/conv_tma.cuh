@@ -21,7 +21,11 @@
 // each multiplying all 128 rows (two 64-row wgmma blocks, kBN <= 128 so the accumulators fit),
 // so one warpgroup's epilogue runs while the other multiplies the next tile: the tensor pipe no
 // longer idles through every epilogue (Nsight Compute on an H100: 70% busy against cuDNN's 84%
-// at batch 256). A stage is then released by one warpgroup.
+// at batch 256). A stage is then released by one warpgroup. A consumer starts waiting for its
+// tile's stages only once the other has seen every stage of the tile before it land (an
+// ordering barrier, as CUTLASS's ping-pong kernel has): mbarrier waits tell phases apart only
+// by parity, so a wait for a stage's next use before its previous use had landed would pass at
+// once.
 //
 // TF32 reads both operands K-major, and a tiled copy of [kk][k] (HWIO) filters can only land
 // MN-major: there the whole producer warpgroup writes B transposed, with 4-byte cp.async copies
@@ -68,6 +72,7 @@ constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide 
 constexpr int kEpiPitch = kEpiCols + 4;  // floats: 16-byte rows, writes spread over banks
 constexpr u32 kEpiBytes = 64 * kEpiPitch * 4;  // one consumer warpgroup's staging tile
 constexpr u32 kBarriersOffset = kStages * kStageBytes + kConsumers * kEpiBytes;
+constexpr u32 kBarrierBytes = 16 * kStages + (kPingPong ? 8 * kConsumers : 0);
 // Registers per thread: the producer keeps few, the consumers take the rest of what the block
 // was given at launch (the 64K shared by kBlocks blocks, a code-generator constant: 168 or 80
 // per thread). A consumer claiming more than the producer gave back would wait forever.
@@ -85,7 +90,7 @@ static_assert(kStages >= 2, "a stage loading while one multiplies");
 static_assert(!kTransposeB || kStages >= 3, "B's arrival one stage behind its issue");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
-static_assert(kBarriersOffset + 16 * kStages + 1024 <= kSmemBytes, "shared memory budget");
+static_assert(kBarriersOffset + kBarrierBytes + 1024 <= kSmemBytes, "shared memory budget");
 static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <=
                   kThreads * kLaunchRegisters && kConsumerRegisters >= kLaunchRegisters,
               "register budgets within the block's launch allocation");
@@ -97,6 +102,9 @@ struct Ring {
   JF_DEVICE u32 stage(int s) const { return stages + s * kStageBytes; }
   JF_DEVICE u32 full_bar(int s) const { return full + 8 * s; }
   JF_DEVICE u32 empty_bar(int s) const { return empty + 8 * s; }
+  // kPingPong: consumer c's turn barrier, one phase per tile of the other consumer whose
+  // stages have all landed.
+  JF_DEVICE u32 turn_bar(int c) const { return empty + 8 * kStages + 8 * c; }
 };
 
 // TF32, [kk][k] filters: this producer thread's copies of k-tile kt's B into `stage`, stored
@@ -304,6 +312,9 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
       for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
     int previous = -1;
     u32 it = static_cast<u32>(j * kKTiles);  // the tile's first ring position
+    if (kPingPong && j > 0) {  // the other consumer's tile j - 1 has landed (see the top)
+      tma::wait(ring.turn_bar(consumer), static_cast<u32>((j - 1) / kConsumers) & 1);
+    }
     for (int kt = 0; kt < kKTiles; ++kt, ++it) {
       const int s = static_cast<int>(it % kStages);
       tma::wait(ring.full_bar(s), (it / kStages) & 1);
@@ -314,6 +325,8 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
       if (previous >= 0) tma::arrive(ring.empty_bar(previous));
       previous = s;
     }
+    // Every stage of this tile has landed: the other consumer's turn (thread 0's waits say so).
+    if (kPingPong && thread == 0) tma::arrive(ring.turn_bar(1 - consumer));
     wgmma::wait<0>();
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b)
@@ -351,6 +364,9 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
     for (int s = 0; s < kStages; ++s) {
       tma::barrier_init(ring.full_bar(s), kTransposeB ? 1 + 128 : 1);
       tma::barrier_init(ring.empty_bar(s), kStageReaders);
+    }
+    if (kPingPong) {
+      for (int c = 0; c < kConsumers; ++c) tma::barrier_init(ring.turn_bar(c), 1);
     }
     tma::fence_barrier_init();
   }
