@@ -2,7 +2,8 @@
 # One call on the GPU machine: build (or reuse a carried build), then the sections asked for,
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
-#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu probe cache
+#   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu find probe
+#                                               cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_MATCH (a
@@ -12,7 +13,8 @@
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
 # runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
 # NCU_RUNS, layer:dtype:batch[:layout[:filters]] runs of scripts/ncu_layer.py profiled by Nsight
-# Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all).
+# Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
+# FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -145,6 +147,17 @@ if has ncu; then
       echo "-- $run $which (exit $?)"
       grep -E "^kernel:|^  [a-zA-Z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Ipc Active|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Shared Memory Configuration Size|stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|lg_throttle|sleeping|dispatch_stall|not_selected|selected|membar|no_instruction)_per" "$report" | head -60
     done
+  done
+fi
+if has find; then
+  echo "== the find step's timings per candidate"
+  deadline=$(( $(date +%s) + ${FIND_CAP:-180} ))
+  for run in ${FIND_RUNS:-r50_l1_1x1_64:float32:256}; do
+    IFS=: read -r layer dtype batch <<< "$run"
+    left=$(( deadline - $(date +%s) ))
+    (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
+    timeout "$left" $py scripts/find_probe.py --layer "$layer" --dtype "$dtype" --batch "$batch" \
+      2>&1 | grep -v "^W[0-9]" | tee -a "$OUT/find.log" | tail -16
   done
 fi
 if has cache; then
