@@ -103,7 +103,7 @@ struct Ring {
   JF_DEVICE u32 full_bar(int s) const { return full + 8 * s; }
   JF_DEVICE u32 empty_bar(int s) const { return empty + 8 * s; }
   // kPingPong: consumer c's turn barrier, one phase per tile of the other consumer whose
-  // stages have all landed.
+  // stages have all landed (each of its 128 threads arrives).
   JF_DEVICE u32 turn_bar(int c) const { return empty + 8 * kStages + 8 * c; }
 };
 
@@ -325,8 +325,10 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
       if (previous >= 0) tma::arrive(ring.empty_bar(previous));
       previous = s;
     }
-    // Every stage of this tile has landed: the other consumer's turn (thread 0's waits say so).
-    if (kPingPong && thread == 0) tma::arrive(ring.turn_bar(1 - consumer));
+    // Every stage of this tile has landed: the other consumer's turn. Every thread arrives, so
+    // the other's next turn cannot complete before all of this warpgroup's threads have passed
+    // their own turn wait (a single arrival let it run two phases ahead of a lagging warp).
+    if (kPingPong) tma::arrive(ring.turn_bar(1 - consumer));
     wgmma::wait<0>();
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b)
@@ -366,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
       tma::barrier_init(ring.empty_bar(s), kStageReaders);
     }
     if (kPingPong) {
-      for (int c = 0; c < kConsumers; ++c) tma::barrier_init(ring.turn_bar(c), 1);
+      for (int c = 0; c < kConsumers; ++c) tma::barrier_init(ring.turn_bar(c), 128);
     }
     tma::fence_barrier_init();
   }
