@@ -28,10 +28,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import fuse, fusion_report
+from .independent import MobileNetV2, ResNet50
 from .models import mobilenet, random_variables, resnet50
 from .timing import device_time_per_op
 
-MODELS = {"resnet50": resnet50, "mobilenet": mobilenet}
+MODELS = {"resnet50": resnet50, "mobilenet": mobilenet,
+          "resnet50-independent": ResNet50, "mobilenetv2-independent": MobileNetV2}
 
 
 def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: int = 7) -> float:
@@ -160,7 +162,7 @@ def _kernel_diff(plain: dict[str, float], auto: dict[str, float], top: int = 12)
 
 def _line(r: dict[str, Any]) -> str:
     nan = float("nan")
-    cells = [f"{r['model']:<10} {r['batch']:>4} {r['devices']:>2} {r['dtype']:<9} "
+    cells = [f"{r['model']:<23} {r['batch']:>4} {r['devices']:>2} {r['dtype']:<9} "
              f"{r['plain_ms']:9.2f}"]
     for mode in ("auto", "fused"):
         if f"{mode}_error" in r:
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                                     tuple(args.solver), devices))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     print(f"device: {device.device_kind}")
-    print(f"{'model':<10} {'N':>4} {'dev':>2} {'dtype':<9} {'plain ms':>9} {'auto ms':>9} "
+    print(f"{'model':<23} {'N':>4} {'dev':>2} {'dtype':<9} {'plain ms':>9} {'auto ms':>9} "
           f"{'auto x':>7} {'fused ms':>9} {'fused x':>7} {'dev plain':>9} {'dev auto':>9} "
           f"{'dev fused':>9} fused/xla chains")
     for r in rows:
