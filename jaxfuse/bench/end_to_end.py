@@ -28,12 +28,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import fuse, fusion_report
-from .independent import MobileNetV2, ResNet50
+from .independent import EfficientNetB0, MobileNetV2, ResNet50
 from .models import mobilenet, random_variables, resnet50
 from .timing import device_time_per_op
 
 MODELS = {"resnet50": resnet50, "mobilenet": mobilenet,
-          "resnet50-independent": ResNet50, "mobilenetv2-independent": MobileNetV2}
+          "resnet50-independent": ResNet50, "mobilenetv2-independent": MobileNetV2,
+          "efficientnetb0-independent": EfficientNetB0}
 
 
 def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: int = 7) -> float:
