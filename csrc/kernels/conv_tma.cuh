@@ -302,8 +302,10 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
   Io::type* y = static_cast<Io::type*>(args.p.y);
   i64 channels = -1;  // the first channel of the previous tile's, in the terms table
   constexpr int kStep = kPingPong ? kConsumers : 1;
-  for (i64 j = kPingPong ? consumer : 0; blockIdx.x + j * gridDim.x < kTiles; j += kStep) {
-    const i64 tile = blockIdx.x + j * gridDim.x;
+  u32 it = 0;  // the ring position (counted on across the shared tiles)
+  for (i64 j = kPingPong ? consumer : 0, tile = blockIdx.x + j * gridDim.x; tile < kTiles;
+       j += kStep, tile += kStep * gridDim.x) {
+    if (kPingPong) it = static_cast<u32>(j * kKTiles);  // its tile's first ring position
     const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
     float acc[kRowBlocks][kBN / 2];
 #pragma unroll
@@ -311,7 +313,6 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 #pragma unroll
       for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
     int previous = -1;
-    u32 it = static_cast<u32>(j * kKTiles);  // the tile's first ring position
     if (kPingPong && j > 0) {  // the other consumer's tile j - 1 has landed (see the top)
       tma::wait(ring.turn_bar(consumer), static_cast<u32>((j - 1) / kConsumers) & 1);
     }
