@@ -147,7 +147,7 @@ def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Deci
         # XLA first: a fused kernel already _GIVE_UP times slower is not timed further.
         fused = functools.partial(fused_function, filters=filters)
         for name, make in ((XLA, xla_function), (FUSED, fused)):
-            limit = (max(times[XLA] * 1e-6 * _GIVE_UP, _GIVE_UP_FLOOR)
+            limit = (give_up_limit(times[XLA] * 1e-6)
                      if name == FUSED and XLA in times else None)
             try:
                 harness = Harness.compile(make(signature), sets, device)
@@ -170,6 +170,11 @@ def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Deci
         device_us.pop(name, None), host_us.pop(name, None)
     return Decision(_faster(times, failures), tuple(times.items()), tuple(failures.items()),
                     device_us=tuple(device_us.items()), host_us=tuple(host_us.items()))
+
+
+def give_up_limit(xla_seconds: float) -> float:
+    """Seconds per run past which the fused candidate is not timed further, given XLA's."""
+    return max(xla_seconds * _GIVE_UP, _GIVE_UP_FLOOR)
 
 
 def _faster(times: dict[str, float], failures: dict[str, str]) -> str:

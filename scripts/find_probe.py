@@ -20,7 +20,6 @@ import jax
 
 from jaxfuse import find, measure, solvers
 from jaxfuse.bench.cases import BenchCase
-from jaxfuse.bench.layers import SUITES
 
 
 def main() -> None:
@@ -33,8 +32,7 @@ def main() -> None:
     parser.add_argument("--platform", default=None)
     a = parser.parse_args()
 
-    layer = next(L for suite in SUITES.values() for L in suite if L.name == a.layer)
-    case = BenchCase(layer, a.batch, a.dtype, a.layout, a.chain if layer.has_conv else "NA")
+    case = BenchCase.for_layer(a.layer, a.batch, a.dtype, a.layout, a.chain)
     device = jax.devices(a.platform)[0] if a.platform else jax.devices()[0]
     plan, _ = case.plan(device, solver="fused")
     signature = plan.signature
@@ -49,8 +47,7 @@ def main() -> None:
                  for name, fn in candidates.items()}
     xla_cost = None
     for name, harness in harnesses.items():
-        limit = (None if xla_cost is None else
-                 max(xla_cost * find._GIVE_UP, find._GIVE_UP_FLOOR))
+        limit = None if xla_cost is None else find.give_up_limit(xla_cost)
         for label, lim in (("find", limit), ("unlimited", None)):
             for _ in range(3):
                 _, t = harness.run(lim)

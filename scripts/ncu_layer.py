@@ -16,7 +16,6 @@ import ctypes
 import jax
 
 from jaxfuse.bench.cases import BenchCase
-from jaxfuse.bench.layers import SUITES
 
 
 def profiler_window(start: bool) -> None:
@@ -42,8 +41,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     a = parser.parse_args()
 
-    layer = next(L for suite in SUITES.values() for L in suite if L.name == a.layer)
-    case = BenchCase(layer, a.batch, a.dtype, a.layout, a.chain, a.filter_layout)
+    case = BenchCase.for_layer(a.layer, a.batch, a.dtype, a.layout, a.chain, a.filter_layout)
     device = jax.devices()[0]
     args = case.arg_sets(1, device)[0]
     if a.which == "fused":

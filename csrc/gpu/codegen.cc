@@ -190,6 +190,9 @@ int ArchNumber(const std::string& arch) {
   return arch.rfind("sm_", 0) == 0 ? std::atoi(arch.c_str() + 3) : 0;
 }
 
+// Values of `dtype` in one 16-byte copy (a chunk, a vector lane group).
+int ChunkValues(DType dtype) { return static_cast<int>(16 / dtype_size(dtype)); }
+
 // Whether the tensor-core kernel applies to the plan on this device.
 bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
@@ -206,7 +209,7 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
   // Channel counts that are not whole 16-wide k-steps: NHWC taps of whole 16-byte chunks
   // stream in chunk by chunk, fewer channels are gathered (HWIO filters; NCHW: any, B gathered
   // too when its rows are not 16-byte runs).
-  const bool channels_ok = cg % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0 ||
+  const bool channels_ok = cg % ChunkValues(spec.dtype) == 0 ||
                            g.filter_layout == FilterLayout::kHWIO || !nhwc;
   // NCHW: offsets within a k-tile's channel planes are ints.
   const bool planes_ok = nhwc || spec.h * spec.w < (int64_t{1} << 26);
@@ -225,7 +228,7 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
 bool GathersA(const PlanSpec& spec) {
   const int64_t cg = spec.c / spec.conv.groups;
   const bool chunks = spec.layout == Layout::kNHWC &&
-                      cg % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0;
+                      cg % ChunkValues(spec.dtype) == 0;
   return cg % 16 != 0 && !chunks;
 }
 
@@ -430,8 +433,9 @@ bool TmaPingPongEnabled() {
 }
 
 // As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
-TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8) {
-  TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks};
+TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8,
+                    bool pingpong = false) {
+  TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks, pingpong};
   const int budget = blocks == 1 ? max_smem : max_smem / 2 - 1024;  // the SM's 228 KB, halved
   while (tile.stages > 2 && tile.SmemBytes() + tile.StaticSmemBytes() > budget) --tile.stages;
   return tile;
@@ -465,13 +469,9 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
   if (TmaPingPongEnabled()) {
     const size_t single = all.size();
     for (size_t i = 0; i < single; ++i) {
-      if (all[i].blocks == 1 && all[i].bn <= 128) {
-        TmaTile tile = all[i];
-        tile.pingpong = true;  // (its turn barriers may cost a stage)
-        while (tile.stages > 3 && tile.SmemBytes() + tile.StaticSmemBytes() > max_smem) {
-          --tile.stages;
-        }
-        if (tile.SmemBytes() + tile.StaticSmemBytes() <= max_smem) all.push_back(tile);
+      if (all[i].blocks == 1 && all[i].bn <= 128) {  // (its turn barriers may cost a stage)
+        const TmaTile tile = MakeTmaTile(all[i].bn, 1, max_smem, all[i].stages, true);
+        if (tile.stages >= 3) all.push_back(tile);
       }
     }
   }
@@ -782,7 +782,7 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
 
 // The vector kernel: 16 bytes of channels a thread, any filter size.
 bool DepthwiseVectorApplies(const PlanSpec& spec) {
-  return IsDepthwise(spec) && spec.c % static_cast<int64_t>(16 / dtype_size(spec.dtype)) == 0;
+  return IsDepthwise(spec) && spec.c % ChunkValues(spec.dtype) == 0;
 }
 
 int DepthwiseVariants(const PlanSpec& spec, const DeviceInfo& device) {
@@ -847,7 +847,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
   GeneratedKernel out;
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
-    const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+    const int lanes = ChunkValues(spec.dtype);
     const bool fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
     const unsigned table_bytes = !fixed_channels && spec.c <= kMaxTableChannels
                                      ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
@@ -953,7 +953,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       return out;
     }
     if (DepthwiseVectorApplies(spec)) {
-      const int lanes = static_cast<int>(16 / dtype_size(spec.dtype));
+      const int lanes = ChunkValues(spec.dtype);
       out.solver = "conv_depthwise";
       out.tile = "vector";
       out.source = TranslationUnit(spec, "", {"conv_depthwise.cuh", "conv_direct.cuh"});

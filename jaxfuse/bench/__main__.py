@@ -206,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device.device_kind} ({device.platform}); copy "
           f"{ceilings.copy_bandwidth / 1e12:.2f} TB/s; matmul TFLOP/s " +
           ", ".join(f"{k} {v / 1e12:.0f}" for k, v in ceilings.matmul.items()), file=sys.stderr)
-    cases = [BenchCase(layer, n, dtype, layout, args.ops if layer.has_conv else "NA",
-                       filters if layer.has_conv else None)
+    cases = [BenchCase.for_layer(layer, n, dtype, layout, args.ops, filters)
              for suite in args.suite for layer in SUITES[suite]
              if args.layers is None or re.search(args.layers, layer.name)
              for n in args.batch for dtype in args.dtype for layout in args.layout

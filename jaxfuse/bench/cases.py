@@ -14,7 +14,7 @@ from jax import lax
 from ..args import OperatorArgs
 from ..descriptors import ConvDesc, TensorDesc
 from ..plan import FusionPlan
-from .layers import Layer
+from .layers import SUITES, Layer
 
 __all__ = ["BenchCase"]
 
@@ -29,6 +29,17 @@ class BenchCase:
     layout: str
     chain: str  # "CBNA", "CBA", "NA", ... (the layer may end it before the activation)
     filters: str | None = None  # the filter layout; None: HWIO for NHWC, OIHW for NCHW
+
+    @classmethod
+    def for_layer(cls, layer: Layer | str, n: int, dtype: str, layout: str, chain: str,
+                  filters: str | None = None) -> BenchCase:
+        """The case of `layer` (or the suites' layer of that name) running `chain`; layers
+        without a convolution run NA on their input as it is."""
+        if isinstance(layer, str):
+            layer = next(L for suite in SUITES.values() for L in suite if L.name == layer)
+        if not layer.has_conv:
+            return cls(layer, n, dtype, layout, "NA")
+        return cls(layer, n, dtype, layout, chain, filters)
 
     @property
     def ops(self) -> str:
