@@ -29,7 +29,7 @@ from ..errors import FusionError
 from .cases import BenchCase
 from .layers import SUITES
 from .roofline import measure_ceilings
-from .timing import batched, device_time_per_op, wall_time_per_op
+from .timing import batched, device_time_per_op, wall_times_interleaved
 
 
 def _progress(items: list[Any], enabled: bool) -> Any:
@@ -57,10 +57,9 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     row: dict[str, Any] = {
         "case": case.label(), "layer": case.layer.name, "n": case.n, "dtype": case.dtype,
         "layout": case.layout, "ops": case.ops, "count": case.layer.count,
-        "xla_wall_us": wall_time_per_op(unfused, args, repeats) * 1e6,
     }
     reference = unfused(args[:1])[0]
-    timed = {"fused": None, "auto": None}
+    timed: dict[str, Any] = {"fused": None, "auto": None}
     for mode in timed:
         try:
             plan, ops = case.plan(device, solver=mode)
@@ -73,11 +72,13 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         row[f"{mode}_solver"] = " ".join(str(info[k]) for k in ("solver", "tile") if k in info)
         if "filters" in info:  # the filters transposed into another layout on each call
             row[f"{mode}_solver"] += f" {info['filters'].split()[0]}"
-        row[f"{mode}_wall_us"] = wall_time_per_op(run, args, repeats) * 1e6
         row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args[:1])[0], reference)
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
             row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
+    programs = {"xla": unfused, **{m: run for m, run in timed.items() if run is not None}}
+    for mode, seconds in wall_times_interleaved(programs, args, repeats).items():
+        row[f"{mode}_wall_us"] = seconds * 1e6
     for mode in timed:
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]

@@ -4,7 +4,9 @@ Two measures, both from K distinct input sets run inside ONE ``jax.jit`` (a list
 so the K ops are straight-line code and no input stays cached between them):
 
 - wall: call time after warm-up divided by K, median over repeats (the method of
-  ``shared/perf``; per-argument dispatch is included once per call);
+  ``shared/perf``; per-argument dispatch is included once per call); programs compared with
+  each other are timed in turns (:func:`wall_times_interleaved`), so a drift of the machine
+  (another process, the allocator returning memory to the OS) weighs on each alike;
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
   divided by K, median over calls; launch gaps and host work excluded. GPU only.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["batched", "device_time_per_op", "wall_time_per_op"]
+__all__ = ["batched", "device_time_per_op", "wall_time_per_op", "wall_times_interleaved"]
 
 
 def batched(fn: Callable[..., Any]) -> Callable[[Sequence[Sequence[Any]]], Any]:
@@ -40,6 +42,25 @@ def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any
         jax.block_until_ready(many(arg_sets))
         times.append(time.perf_counter() - start)
     return statistics.median(times) / len(arg_sets)
+
+
+def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
+                           arg_sets: Sequence[Sequence[Any]], repeats: int = 20,
+                           warmup: int = 3) -> dict[str, float]:
+    """Median wall seconds per op of each of `programs` on `arg_sets`, timed in turns (one call
+    of each per round). On a 2-core VM (2026-11-25) timing XLA's batch-8 NA program in a block
+    of its own gave 3.8-7.4 ms per op from one run of the benchmark to the next while the fused
+    kernel's block gave 3.0 ms: the blocks saw different machines."""
+    for _ in range(warmup):
+        for many in programs.values():
+            jax.block_until_ready(many(arg_sets))
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, many in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(many(arg_sets))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) / len(arg_sets) for name, t in times.items()}
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],

@@ -1,0 +1,41 @@
+"""The layer benchmark's measurement: candidates timed in turns, one row per case (CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxfuse.bench.__main__ import run_case
+from jaxfuse.bench.cases import BenchCase
+from jaxfuse.bench.roofline import Ceilings
+from jaxfuse.bench.timing import wall_times_interleaved
+
+
+def test_programs_are_timed_in_turns() -> None:
+    calls: list[str] = []
+
+    def program(name: str):
+        def many(sets):
+            calls.append(name)
+            return [jnp.asarray(s[0]) for s in sets]
+        return many
+
+    times = wall_times_interleaved({"a": program("a"), "b": program("b")}, [(1.0,), (2.0,)],
+                                   repeats=3, warmup=1)
+    assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
+    assert calls == ["a", "b"] * 4  # warm-up round, then three timed rounds
+
+
+@pytest.mark.parametrize("layer,chain", [("NA_C1024_H14", "NA"), ("r50_l4_1x1_2048", "CBNA")])
+def test_a_case_reports_every_mode_against_xla(layer: str, chain: str) -> None:
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer(layer, 1, "float32", "NHWC", chain)
+    ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False)
+    for mode in ("xla", "fused", "auto"):
+        assert row[f"{mode}_wall_us"] > 0
+    for mode in ("fused", "auto"):
+        assert row[f"ratio_{mode}_wall"] == pytest.approx(row["xla_wall_us"]
+                                                          / row[f"{mode}_wall_us"])
+        assert row[f"{mode}_rel_error_vs_xla"] < 1e-4
