@@ -60,9 +60,10 @@ NB_MODULE(_jaxfuse_ext, m) {
   m.doc() = "jaxfuse's C++ core: XLA FFI handlers for fused conv/bias/batchnorm/activation.";
 
   m.def("ffi_handlers", [] {
-    nb::dict handlers;
+    nb::dict handlers, cuda, rocm;
     handlers["cpu"] = Capsule(jaxfuse::kFusedChainCpu);
-    nb::dict cuda, rocm;
+    cuda["instantiate"] = Capsule(jaxfuse::kFusedChainGpuInstantiate);
+    rocm["instantiate"] = Capsule(jaxfuse::kFusedChainGpuInstantiate);
     cuda["initialize"] = Capsule(jaxfuse::kFusedChainCudaInitialize);
     cuda["execute"] = Capsule(jaxfuse::kFusedChainCuda);
     rocm["initialize"] = Capsule(jaxfuse::kFusedChainRocmInitialize);
@@ -71,6 +72,19 @@ NB_MODULE(_jaxfuse_ext, m) {
     handlers["ROCM"] = rocm;
     return handlers;
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
+
+  m.def("ffi_types", [] {
+    auto registration = [](XLA_FFI_TypeId* id, const XLA_FFI_TypeInfo* info) {
+      nb::dict out;
+      out["type_id"] = nb::capsule(static_cast<void*>(id));
+      out["type_info"] = nb::capsule(const_cast<void*>(static_cast<const void*>(info)));
+      return out;
+    };
+    nb::dict types;
+    types["CUDA"] = registration(jaxfuse::GpuPlanStateTypeId(), jaxfuse::GpuPlanStateTypeInfo());
+    types["ROCM"] = registration(jaxfuse::GpuPlanStateTypeId(), jaxfuse::GpuPlanStateTypeInfo());
+    return types;
+  }, "The fused chain's FFI state type per GPU platform, for jax.ffi.register_ffi_type.");
 
   m.def("convert_handlers", [] {
     nb::dict handlers, cuda, rocm;

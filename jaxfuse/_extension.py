@@ -38,7 +38,10 @@ def extension() -> ModuleType:
 def register_targets() -> None:
     """Registers the fused-chain handlers for every platform and the batched conversion's for
     the GPU platforms (done at ``import jaxfuse``, so a deserialized ``jax.export`` program
-    finds them too)."""
+    finds them too). The fused chain's GPU handlers keep a state per call (the parsed plan),
+    whose type the platform's runtime must know first."""
+    for platform, registration in extension().ffi_types().items():
+        jax.ffi.register_ffi_type(f"{FFI_TARGET}_state", registration, platform=platform)
     for platform, handler in extension().ffi_handlers().items():
         jax.ffi.register_ffi_target(FFI_TARGET, handler, platform=platform)
     for platform, handler in extension().convert_handlers().items():

@@ -235,9 +235,9 @@ _TMA_CHILD = textwrap.dedent("""
 """)
 
 
-# The warp-specialized kernel's ping-pong schedule (JAXFUSE_TMA_PINGPONG=1: each consumer
-# warpgroup its own tiles, in turn) forced on blocks of two and more tiles, odd tile counts,
-# partial tiles, each filter form (TF32's transposed B included) and a side input.
+# The warp-specialized kernel's ping-pong schedule (each consumer warpgroup its own tiles, in
+# turn) forced on blocks of two and more tiles, odd tile counts, partial tiles, each filter
+# form (TF32's transposed B included) and a side input.
 _PINGPONG_CHILD = textwrap.dedent("""
     import sys
     import jax
@@ -269,7 +269,7 @@ _PINGPONG_CHILD = textwrap.dedent("""
 
 
 def test_the_ping_pong_schedule_is_correct(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_TMA_PINGPONG": "1",
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path),
            "JAXFUSE_KERNEL_VARIANT": "conv_tma pp"}
     done = subprocess.run([sys.executable, "-P", "-c",
                            _PINGPONG_CHILD.format(tests=os.path.dirname(__file__))],

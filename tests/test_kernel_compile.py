@@ -312,8 +312,8 @@ def test_fp32_plans_compile_on_the_tf32_kernel(case: Case, arch: str, monkeypatc
     assert extension().gpu_compile_only("CUDA", exact, arch)["solver"] == "conv_direct"
 
 
-# conv_tma's ping-pong schedule (offered only with JAXFUSE_TMA_PINGPONG=1 until it has run on a
-# GPU): a copy of every one-block tile up to 128 wide, each compiling; none without the switch.
+# conv_tma's ping-pong schedule: a copy of every one-block tile up to 128 wide, each compiling;
+# none with JAXFUSE_TMA_PINGPONG=0.
 PINGPONG = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
                  r=r, s=r, padding=((r // 2, r // 2),) * 2)
             for ops, dt, fl, c, k, n, hw, r in (
@@ -324,7 +324,7 @@ PINGPONG = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n
 
 
 @pytest.mark.parametrize("case", PINGPONG, ids=str)
-def test_ping_pong_tiles_compile_only_when_asked_for(case: Case, monkeypatch) -> None:
+def test_ping_pong_tiles_compile_unless_withdrawn(case: Case, monkeypatch) -> None:
     encoded = case.build()[0].signature.encode()
 
     def tiles() -> list[str]:
@@ -334,10 +334,10 @@ def test_ping_pong_tiles_compile_only_when_asked_for(case: Case, monkeypatch) ->
         assert all(out["binary_bytes"] > 0 for out in outs)
         return [out["tile"] for out in outs if out["solver"] == "conv_tma"]
 
-    monkeypatch.delenv("JAXFUSE_TMA_PINGPONG", raising=False)
+    monkeypatch.setenv("JAXFUSE_TMA_PINGPONG", "0")
     plain = tiles()
     assert plain and not any(t.endswith(" pp") for t in plain)
-    monkeypatch.setenv("JAXFUSE_TMA_PINGPONG", "1")
+    monkeypatch.delenv("JAXFUSE_TMA_PINGPONG")
     both = tiles()
     expected = [t + " pp" for t in plain if " b1" in t and int(t.split()[0][4:]) <= 128]
     assert expected and [t for t in both if t.endswith(" pp")] == expected

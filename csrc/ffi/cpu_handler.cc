@@ -1,4 +1,9 @@
 // XLA FFI handler for platform "cpu": decode, check, run the fused chain on the host.
+//
+// Unlike the GPU handlers it keeps no instantiate-stage state: jaxlib registers the handlers
+// queued before the CPU client exists ahead of the queued types (jaxlib 0.10-0.11), and a
+// handler whose state type is not yet known is refused. Its per-call lookup (a per-thread map
+// by the attribute's address) costs nothing beside a host kernel's milliseconds.
 #include <exception>
 #include <memory>
 
@@ -16,8 +21,12 @@ ffi::Error FusedChainCpu(ffi::Dictionary attrs, ffi::RemainingArgs args,
                          ffi::Result<ffi::AnyBuffer> out) {
   try {
     std::shared_ptr<const PlanSpec> spec;
+    if (ffi::Error err = ParsePlan(attrs, &spec); err.failure()) return err;
     DecodedOperands decoded;
-    if (ffi::Error err = DecodeCall(attrs, args, out, &spec, &decoded); err.failure()) return err;
+    if (ffi::Error err = DecodeOperands(*spec, spec->operands(), args, out, &decoded);
+        err.failure()) {
+      return err;
+    }
     cpu::RunFused(*spec, BindParams(*spec, decoded));
     return ffi::Error::Success();
   } catch (const std::exception& e) {

@@ -1,6 +1,7 @@
-// The FFI handler symbols the extension exports: the CPU handler, and per GPU platform an
-// initialize-stage handler (compile and load the kernel) and an execute-stage handler, for the
-// fused chain and the batched conversion; and the stopwatch used to time candidate solvers.
+// The FFI handler symbols the extension exports: for the fused chain the CPU handler, and for
+// the GPU platforms an instantiate-stage handler (parse the plan once per executable), an
+// initialize-stage handler (compile and load the kernel) and an execute-stage handler; the same two GPU stages for the batched conversion; and the stopwatch used to time
+// candidate solvers.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"
@@ -8,6 +9,7 @@
 namespace jaxfuse {
 
 extern "C" XLA_FFI_Error* kFusedChainCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* kFusedChainGpuInstantiate(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocmInitialize(XLA_FFI_CallFrame* call_frame);
@@ -19,5 +21,10 @@ extern "C" XLA_FFI_Error* kConvertManyRocmInitialize(XLA_FFI_CallFrame* call_fra
 extern "C" XLA_FFI_Error* kConvertManyRocm(XLA_FFI_CallFrame* call_frame);
 // The device stopwatch's mark (CUDA and ROCM alike: the platform is the stopwatch's).
 extern "C" XLA_FFI_Error* kStopwatchGpu(XLA_FFI_CallFrame* call_frame);
+
+// The GPU handlers' per-call state type (see ffi/plan_state.h): the type id it is registered
+// under with XLA (jax.ffi.register_ffi_type), and how XLA deletes one.
+XLA_FFI_TypeId* GpuPlanStateTypeId();
+const XLA_FFI_TypeInfo* GpuPlanStateTypeInfo();
 
 }  // namespace jaxfuse

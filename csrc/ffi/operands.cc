@@ -1,5 +1,7 @@
 #include "ffi/operands.h"
 
+#include <stdexcept>
+
 #include "ffi/plan_registry.h"
 
 namespace jaxfuse {
@@ -35,15 +37,26 @@ ffi::Error PlanAttribute(const ffi::Dictionary& attrs, std::string_view* plan) {
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
-                          ffi::Result<ffi::AnyBuffer> out, DecodedOperands* decoded) {
-  const auto expected = spec.operands();
-  if (args.size() != expected.size()) {
+ffi::Error ParsePlan(const ffi::Dictionary& attrs, std::shared_ptr<const PlanSpec>* spec) {
+  std::string_view plan;
+  if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
+  try {
+    *spec = LookupPlan(plan);
+  } catch (const std::invalid_argument& e) {  // a malformed plan
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeOperands(const PlanSpec& spec, const std::vector<PlanSpec::Operand>& expected,
+                          ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out,
+                          DecodedOperands* decoded) {
+  if (args.size() != expected.size() || expected.size() > DecodedOperands::kMax) {
     return Mismatch("the plan takes " + std::to_string(expected.size()) + " operands, got " +
                     std::to_string(args.size()));
   }
   const ffi::DataType plan_type = PlanDataType(spec.dtype);
-  decoded->ptrs.clear();
+  decoded->count = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
     auto buffer = args.get<ffi::AnyBuffer>(i);
     if (buffer.has_error()) return Mismatch(std::string(expected[i].name) + " is not a buffer");
@@ -56,7 +69,7 @@ ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
                       std::to_string(buffer->element_count()) + " elements, expected " +
                       std::to_string(expected[i].elements));
     }
-    decoded->ptrs.push_back(buffer->untyped_data());
+    decoded->ptrs[decoded->count++] = buffer->untyped_data();
   }
   if (out->element_type() != plan_type ||
       static_cast<int64_t>(out->element_count()) != spec.output_elements()) {
@@ -64,15 +77,6 @@ ffi::Error DecodeOperands(const PlanSpec& spec, ffi::RemainingArgs args,
   }
   decoded->out = out->untyped_data();
   return ffi::Error::Success();
-}
-
-ffi::Error DecodeCall(const ffi::Dictionary& attrs, ffi::RemainingArgs args,
-                      ffi::Result<ffi::AnyBuffer> out, std::shared_ptr<const PlanSpec>* spec,
-                      DecodedOperands* decoded) {
-  std::string_view plan;
-  if (ffi::Error err = PlanAttribute(attrs, &plan); err.failure()) return err;
-  *spec = LookupPlan(plan);
-  return DecodeOperands(**spec, args, out, decoded);
 }
 
 FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& d) {

@@ -2,6 +2,7 @@
 // handlers: every buffer's dtype and element count is checked before any kernel touches it.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -14,7 +15,9 @@
 namespace jaxfuse {
 
 struct DecodedOperands {
-  std::vector<const void*> ptrs;  // in PlanSpec::operands() order
+  static constexpr size_t kMax = 16;  // a chain takes at most 9 (x w bias 4xBN side scalars)
+  std::array<const void*, kMax> ptrs{};  // in PlanSpec::operands() order
+  size_t count = 0;
   void* out = nullptr;
 };
 
@@ -23,17 +26,18 @@ struct DecodedOperands {
 // with missing or extra attributes then fails like any other mismatch, with our message.
 xla::ffi::Error PlanAttribute(const xla::ffi::Dictionary& attrs, std::string_view* plan);
 
-// Fills `decoded` or returns an error naming the operand that does not match the plan.
-xla::ffi::Error DecodeOperands(const PlanSpec& spec, xla::ffi::RemainingArgs args,
+// The plan the call's attribute names (parsed once per process), or an error naming what is
+// wrong with the attributes or the plan.
+xla::ffi::Error ParsePlan(const xla::ffi::Dictionary& attrs,
+                          std::shared_ptr<const PlanSpec>* spec);
+
+// Fills `decoded` or returns an error naming the operand that does not match the plan, whose
+// operands (PlanSpec::operands()) are `expected`. Allocates nothing.
+xla::ffi::Error DecodeOperands(const PlanSpec& spec,
+                               const std::vector<PlanSpec::Operand>& expected,
+                               xla::ffi::RemainingArgs args,
                                xla::ffi::Result<xla::ffi::AnyBuffer> out,
                                DecodedOperands* decoded);
-
-// What an execute-stage handler needs: the plan named by the call's attribute (parsed once per
-// process) and its operands, checked against it. Throws std::invalid_argument for a malformed
-// plan; returns an error for a mismatched call.
-xla::ffi::Error DecodeCall(const xla::ffi::Dictionary& attrs, xla::ffi::RemainingArgs args,
-                           xla::ffi::Result<xla::ffi::AnyBuffer> out,
-                           std::shared_ptr<const PlanSpec>* spec, DecodedOperands* decoded);
 
 // The decoded buffers as the kernels' parameter block (shared by every backend).
 FusedParams BindParams(const PlanSpec& spec, const DecodedOperands& decoded);

@@ -16,8 +16,8 @@
 // The producer gives registers to the consumers (setmaxnreg), which hold kBN / 2 accumulators
 // each.
 //
-// kPingPong (not yet run on a GPU; the code generator offers it only with
-// JAXFUSE_TMA_PINGPONG=1): the consumers do not share tiles but take the block's tiles in turn,
+// kPingPong (a candidate for one-block tiles up to 128 wide; JAXFUSE_TMA_PINGPONG=0 withdraws
+// it): the consumers do not share tiles but take the block's tiles in turn,
 // each multiplying all 128 rows (two 64-row wgmma blocks, kBN <= 128 so the accumulators fit),
 // so one warpgroup's epilogue runs while the other multiplies the next tile: the tensor pipe no
 // longer idles through every epilogue (Nsight Compute on an H100: 70% busy against cuDNN's 84%
