@@ -4,8 +4,9 @@ the device's kernels, for plain ``jax.jit(apply)`` and ``jax.jit(fuse(apply))``.
     XLA_FLAGS=... python scripts/latency_probe.py --model resnet50 --dtype bfloat16 --batch 1
 
 Prints, per program: wall time per call (back-to-back calls), the sum of kernel time per call,
-kernels and CUDA-graph launches per call, and the host events that take the most time per call
-(from a profiler trace of `--calls` calls). Run it once per XLA_FLAGS setting to compare them.
+kernels and CUDA-graph launches per call, the host events and the device kernels that take the
+most time per call (from a profiler trace of `--calls` calls). Run it once per XLA_FLAGS
+setting to compare them.
 """
 
 from __future__ import annotations
@@ -33,24 +34,28 @@ def trace_summary(fn, args, calls: int) -> dict:
             jax.block_until_ready(outs)
         data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
     host: dict[str, list[float]] = collections.defaultdict(list)
-    kernels, kernel_ns = 0, 0
+    device: dict[str, list[float]] = collections.defaultdict(list)
     for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if line.name.startswith("Stream"):
-                    kernels += len(list(line.events))
-                    kernel_ns += sum(e.duration_ns for e in line.events)
+                    for e in line.events:
+                        device[e.name].append(e.duration_ns)
         elif plane.name.startswith("/host:"):
             for line in plane.lines:
                 for e in line.events:
                     host[e.name].append(e.duration_ns)
-    top = sorted(host.items(), key=lambda kv: -sum(kv[1]))
+    def top(events: dict[str, list[float]], count: int) -> list[tuple[str, float, float]]:
+        ranked = sorted(events.items(), key=lambda kv: -sum(kv[1]))[:count]
+        return [(name[:70], len(v) / calls, sum(v) / calls / 1e3) for name, v in ranked]
+
     return {
-        "kernels_per_call": kernels / calls,
-        "kernel_us_per_call": kernel_ns / calls / 1e3,
+        "kernels_per_call": sum(len(v) for v in device.values()) / calls,
+        "kernel_us_per_call": sum(sum(v) for v in device.values()) / calls / 1e3,
         "graph_launches_per_call": sum(len(v) for k, v in host.items()
                                        if "GraphLaunch" in k) / calls,
-        "host_top": [(name[:70], len(v) / calls, sum(v) / calls / 1e3) for name, v in top[:18]],
+        "host_top": top(host, 18),
+        "device_top": top(device, 12),
     }
 
 
@@ -79,6 +84,9 @@ def main() -> None:
               f"graph launches {s['graph_launches_per_call']:.1f}/call")
         for event, count, us in s["host_top"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {event}")
+        print("   device kernels:")
+        for kernel, count, us in s["device_top"]:
+            print(f"   {us:8.1f} us {count:6.1f}x  {kernel}")
 
 
 if __name__ == "__main__":
