@@ -97,6 +97,9 @@ _VARIANTS_CHILD = textwrap.dedent("""
                       dtype="bfloat16", **NHWC),
                  Case(ops="CNA", c=3, k=64, n=2, h=19, w=19, r=7, s=7, strides=(2, 2),
                       padding="SAME", dtype="float16", **NHWC),
+                 # The stem kernel's tiles (rows of an even count of values).
+                 Case(ops="CBNSA", c=3, k=64, n=2, h=20, w=20, r=7, s=7, strides=(2, 2),
+                      padding="SAME", dtype="bfloat16", **NHWC),
                  # NCHW: gathered A, plane-by-plane epilogue (split-K included), B gathered
                  Case(ops="CBNSA", c=256, k=128, n=1, h=7, w=7, dtype="float16", **NCHW),
                  Case(ops="CBNA", c=64, k=256, n=4, h=20, w=20, dtype="bfloat16", **NCHW),
@@ -273,6 +276,65 @@ def test_the_ping_pong_schedule_is_correct(tmp_path) -> None:
            "JAXFUSE_KERNEL_VARIANT": "conv_tma pp"}
     done = subprocess.run([sys.executable, "-P", "-c",
                            _PINGPONG_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
+# The few-channel stem kernel forced: ResNet's 7x7/2 and MobileNet's 3x3/2 stems (tiles that
+# end inside an output row, rows shorter than a tile), 1, 2 and 4 channels, each filter layout,
+# 8 to 128 output channels, a side input, per-activation batch norm, strides along W of 1 to 4,
+# asymmetric padding; and infinities in the input, which must not meet the zeros that pad the
+# reduction (inf * 0 would be NaN where the reference has inf).
+_STEM_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case, assert_matches_with_nonfinite
+    from jaxfuse.reference import reference_float64
+    gpu = jax.devices("gpu")[0]
+    cases = [
+        Case(ops="CBNA", c=3, k=64, n=2, h=30, w=30, r=7, s=7, strides=(2, 2),
+             padding=((3, 3), (3, 3)), dtype="bfloat16", layout="NHWC", filter_layout="HWIO"),
+        Case(ops="CBNA", c=3, k=64, n=2, h=160, w=160, r=7, s=7, strides=(2, 2),
+             padding=((3, 3), (3, 3)), dtype="float16", layout="NHWC", filter_layout="HWIO"),
+        Case(ops="CBNA", c=3, k=32, n=3, h=66, w=66, strides=(2, 2), padding="SAME",
+             activation="clipped_relu", dtype="bfloat16", layout="NHWC", filter_layout="HWIO"),
+        Case(ops="CBNSA", c=3, k=24, n=2, h=17, w=18, r=5, s=5, padding=((2, 2), (1, 3)),
+             bn_mode="per_activation", dtype="float16", layout="NHWC", filter_layout="OHWI"),
+        Case(ops="CNA", c=4, k=128, n=2, h=13, w=20, strides=(2, 1), padding="SAME",
+             dtype="bfloat16", layout="NHWC", filter_layout="OIHW"),
+        Case(ops="CBA", c=1, k=8, n=2, h=28, w=28, padding="SAME", dtype="float16",
+             layout="NHWC", filter_layout="HWIO"),
+        Case(ops="CBNA", c=2, k=40, n=1, h=9, w=33, r=1, s=9, strides=(1, 4),
+             padding=((0, 0), (4, 4)), dtype="bfloat16", layout="NHWC", filter_layout="OHWI"),
+    ]
+    for case in cases:
+        plan, handles = case.build()
+        plan.compile(gpu, solver="fused")
+        assert plan.solver == "conv_stem", (case, plan.kernel_info)
+        run_case(case, gpu, solver="fused")
+    case = cases[0]
+    plan, handles = case.build()
+    plan.compile(gpu, solver="fused")
+    rng = np.random.default_rng(1)
+    x, args, operands = case.random_args(plan, handles, rng)
+    x = np.asarray(x).copy()
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, 6, replace=False)] = [np.inf, -np.inf] * 3
+    operands[0] = np.asarray(x, np.float64)
+    ref = reference_float64(plan.signature, *operands)
+    out = jax.jit(plan.execute)(jax.device_put(jnp.asarray(x), gpu), jax.device_put(args, gpu))
+    assert_matches_with_nonfinite(out, ref, case.tolerance(gpu))
+    print("ok")
+""")
+
+
+def test_the_stem_kernel_is_correct(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_stem"}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           _STEM_CHILD.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
 

@@ -44,6 +44,10 @@ def expected_solver(case: Case, arch: str, tf32: bool = True) -> str:
         return "conv_igemm"
     if case.groups == case.c == case.k and case.layout == "NHWC" and fl == "HWIO":
         return "conv_depthwise"
+    if (case.layout == "NHWC" and case.dtype != "float32" and case.groups == 1
+            and tuple(case.dilation) == (1, 1) and case.c <= 4 and case.k % 8 == 0
+            and case.k <= 128 and (case.w * case.c) % 2 == 0):
+        return "conv_stem"  # (filters up to 16x16, strides along W up to 8)
     return "conv_direct"
 
 
@@ -148,6 +152,35 @@ def test_every_tile_variant_compiles(case: Case, arch: str) -> None:
         assert out["binary_bytes"] > 0 and out["tile"]
         tiles.add(out["tile"])
     assert len(tiles) == count, "variants are distinct tiles"
+
+
+# The few-channel stem kernel (conv_stem.cuh) at its edges: 1 to 4 channels, 8 to 128 output
+# channels, each filter layout, filters narrower and wider than a k-step's 4 columns, strides
+# along W of 1 to 4; offered beside the mma.sync tiles, never where it does not apply.
+STEMS = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=2, h=hw, w=hw,
+              r=r, s=s, strides=st, padding="SAME")
+         for ops, dt, fl, c, k, hw, r, s, st in (
+             ("CBNA", "bfloat16", "HWIO", 3, 64, 224, 7, 7, (2, 2)),
+             ("CBNSA", "float16", "OHWI", 1, 8, 28, 3, 3, (1, 1)),
+             ("CNA", "bfloat16", "OIHW", 2, 128, 31, 5, 2, (1, 3)),
+             ("CBA", "float16", "HWIO", 4, 24, 40, 1, 9, (2, 4)))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", STEMS, ids=str)
+def test_stem_kernel_variants_compile(case: Case, arch: str) -> None:
+    encoded = case.build()[0].signature.encode()
+    count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+    outs = [extension().gpu_compile_only("CUDA", encoded, arch, variant=v) for v in range(count)]
+    assert all(out["binary_bytes"] > 0 for out in outs)
+    assert [out["tile"] for out in outs if out["solver"] == "conv_stem"] == [
+        f"{bm}x{(case.k + 7) // 8 * 8} b{blocks}" for bm, blocks in ((128, 2), (64, 3))]
+    odd_rows = dataclasses.replace(case, w=case.w + 1 if case.c % 2 else case.w, c=3)
+    if (odd_rows.w * odd_rows.c) % 2:  # a word would straddle two image rows
+        encoded = odd_rows.build()[0].signature.encode()
+        count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+        assert all(extension().gpu_compile_only("CUDA", encoded, arch, variant=v)["solver"]
+                   != "conv_stem" for v in range(count))
 
 
 # Every (geometry, variant) the solver chooser can pick for the benchmark suites' layers (real

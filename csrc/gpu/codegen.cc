@@ -588,6 +588,58 @@ std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
   return s.str();
 }
 
+// ----- few-channel stems (conv_stem.cuh) -------------------------------------------------------
+
+// One tile of the stem kernel: bm output pixels of one output row (32 a warp), all channels.
+struct StemTile {
+  int bm, min_blocks;
+};
+
+// Where conv_stem.cuh applies: 16-bit NHWC data of at most 4 channels, one group, no
+// dilation, K a multiple of 8 up to 128, and image rows of an even count of values.
+bool StemApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  return !device.hip && ArchNumber(device.arch) >= 80 && spec.has_conv &&
+         spec.dtype != DType::kF32 && spec.layout == Layout::kNHWC && g.groups == 1 &&
+         g.dil_h == 1 && g.dil_w == 1 && spec.c <= 4 && g.k % 8 == 0 && g.k <= 128 &&
+         (spec.w * spec.c) % 2 == 0 && g.r <= 16 && g.s <= 16 && g.stride_w <= 8 &&
+         spec.n * spec.out_h * spec.out_w < (int64_t{1} << 31);
+}
+
+// Values in one shared-memory window row of a stem tile (whole 16-byte words).
+int64_t StemWindowPitch(const PlanSpec& spec, int bm) {
+  const int64_t col_steps = (spec.conv.s + 3) / 4;
+  const int64_t pixels = (bm - 1) * spec.conv.stride_w + 4 * col_steps;
+  const int64_t words = (pixels * spec.c + 1) / 2 + 1;
+  return (2 * words + 7) / 8 * 8;
+}
+
+int64_t StemSmemBytes(const PlanSpec& spec, int bm) {
+  const int64_t bn = (spec.conv.k + 7) / 8 * 8;
+  const int64_t b_frags = spec.conv.r * ((spec.conv.s + 3) / 4) * (bn / 8) * 32 * 8;
+  const int64_t windows = 2 * spec.conv.r * StemWindowPitch(spec, bm) * 2;
+  return b_frags + windows + bm * (bn + 4) * 4;
+}
+
+std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  std::vector<StemTile> all;
+  if (!StemApplies(spec, device)) return all;
+  for (const StemTile tile : {StemTile{128, 2}, StemTile{64, 3}}) {
+    if (StemSmemBytes(spec, tile.bm) <= device.max_smem_per_block) all.push_back(tile);
+  }
+  return all;
+}
+
+std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
+  Text s;
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << (spec.conv.k + 7) / 8 * 8
+    << ", kMinBlocks = " << t.min_blocks << ";\n"
+    << "constexpr int kMmaDtype = " << (spec.dtype == DType::kBF16 ? 2 : 1) << ";\n"
+    << "constexpr int kWinPitch = " << StemWindowPitch(spec, t.bm)
+    << ", kSmemBytes = " << StemSmemBytes(spec, t.bm) << ";\n";
+  return s.str();
+}
+
 // ----- depthwise convolution on CUDA cores (conv_depthwise.cuh) -------------------------------
 
 // One tiling of the tiled depthwise kernel: a CTA computes a th x tw tile of output pixels for
@@ -840,7 +892,10 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
     const size_t tma = TmaApplies(spec, device) ? TmaCandidates(spec, device).size() : 0;
     return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
   }
-  if (IgemmApplies(spec, device)) return static_cast<int>(IgemmCandidates(spec, device).size());
+  if (IgemmApplies(spec, device) || StemApplies(spec, device)) {
+    const size_t igemm = IgemmApplies(spec, device) ? IgemmCandidates(spec, device).size() : 0;
+    return static_cast<int>(igemm + StemCandidates(spec, device).size());
+  }
   if (IsDepthwise(spec)) return DepthwiseVariants(spec, device);
   return 1;
 }
@@ -917,8 +972,31 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     out.entries.push_back(direct);
     return out;
   }
-  if (IgemmApplies(spec, device)) {
-    const std::vector<IgemmTile> tiles = IgemmCandidates(spec, device);
+  if (IgemmApplies(spec, device) || StemApplies(spec, device)) {
+    const std::vector<IgemmTile> tiles =
+        IgemmApplies(spec, device) ? IgemmCandidates(spec, device) : std::vector<IgemmTile>{};
+    // Variants past the mma.sync kernel's tiles (if it applies) are the stem kernel's.
+    const std::vector<StemTile> stems = StemCandidates(spec, device);
+    const int stem_variant = variant - static_cast<int>(tiles.size());
+    if (stem_variant >= 0 && !stems.empty()) {
+      const StemTile tile =
+          stems[std::min<int>(stem_variant, static_cast<int>(stems.size()) - 1)];
+      const int64_t segments = (spec.out_w + tile.bm - 1) / tile.bm;
+      const int64_t tiles_total = spec.n * spec.out_h * segments;
+      const int sms = device.sm_count > 0 ? device.sm_count : 132;
+      out.solver = "conv_stem";
+      out.tile = std::to_string(tile.bm) + "x" + std::to_string((spec.conv.k + 7) / 8 * 8) +
+                 " b" + std::to_string(tile.min_blocks);
+      out.source = TranslationUnit(spec, StemConstants(spec, tile),
+                                   {"conv_stem.cuh", "conv_direct.cuh"});
+      out.entries.push_back(
+          {"jaxfuse_conv_stem",
+           static_cast<unsigned>(std::min<int64_t>(tiles_total, int64_t{sms} * tile.min_blocks)),
+           static_cast<unsigned>(tile.bm / 32 * 32),
+           static_cast<unsigned>(StemSmemBytes(spec, tile.bm)), 16});
+      out.entries.push_back(direct);
+      return out;
+    }
     const IgemmTile tile = tiles[std::clamp<int>(variant, 0, static_cast<int>(tiles.size()) - 1)];
     const ConvGeometry& g = spec.conv;
     const bool b_rows_are_k = g.filter_layout == FilterLayout::kHWIO;

@@ -129,11 +129,12 @@ JF_DEVICE void store_chunk(const Epilogue& ep, const float (&v)[8], const Epilog
 
 // Writes a finished tile: `tile` holds rows x cols fp32 results (row pitch `pitch` floats) for
 // output pixels m0.. and channels n0.. of `group`; every row goes out in 16-byte stores after
-// the plan's operator chain. `terms` holds the tile's per-channel epilogue terms.
+// the plan's operator chain. `terms` holds the tile's per-channel epilogue terms. Rows from
+// output pixel `m_end` on are left out.
 template <int kRows, int kCols, int kPitch, int kThreads>
 JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
                           const Epilogue::Channel* terms, i64 m0, int n0, i64 group,
-                          Io::type* y) {
+                          Io::type* y, i64 m_end = M) {
   // Plans with a side input take a thread's chunks 4 at a time, the 4 chunks' loads first (in
   // flight together); the others one at a time, in a loop the compiler keeps small.
   constexpr int kChunks = kRows * (kCols / 8);
@@ -144,7 +145,7 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
     for (int i = 0; i < kBatch; ++i) {
       const int chunk = first + i * kThreads;
       const int row = chunk / (kCols / 8), col8 = chunk % (kCols / 8);
-      if (chunk < kChunks && m0 + row < M && n0 + col8 * 8 < KG) {
+      if (chunk < kChunks && m0 + row < m_end && n0 + col8 * 8 < KG) {
         side[i] = load_side(ep, m0 + row, n0 + col8 * 8, group);
       }
     }
@@ -154,7 +155,7 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
       const int row = chunk / (kCols / 8), col8 = chunk % (kCols / 8);
       const i64 m = m0 + row;
       const int k = n0 + col8 * 8;
-      if (chunk >= kChunks || m >= M || k >= KG) continue;
+      if (chunk >= kChunks || m >= m_end || k >= KG) continue;
       float v[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = tile[row * kPitch + col8 * 8 + j];
