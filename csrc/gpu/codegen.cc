@@ -590,9 +590,11 @@ std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
 
 // ----- few-channel stems (conv_stem.cuh) -------------------------------------------------------
 
-// One tile of the stem kernel: bm output pixels of one output row (32 a warp), all channels.
+// One tile of the stem kernel: bm output pixels of one output row (32 rows a warp), all
+// channels, split between warps_n warps.
 struct StemTile {
-  int bm, min_blocks;
+  int bm, warps_n, min_blocks;
+  int Threads() const { return bm / 32 * warps_n * 32; }
 };
 
 // Where conv_stem.cuh applies: 16-bit NHWC data of at most 4 channels, one group, no
@@ -624,8 +626,12 @@ int64_t StemSmemBytes(const PlanSpec& spec, int bm) {
 std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   std::vector<StemTile> all;
   if (!StemApplies(spec, device)) return all;
-  for (const StemTile tile : {StemTile{128, 2}, StemTile{64, 3}}) {
-    if (StemSmemBytes(spec, tile.bm) <= device.max_smem_per_block) all.push_back(tile);
+  const int64_t n_tiles = (spec.conv.k + 7) / 8;
+  for (const StemTile tile : {StemTile{128, 2, 2}, StemTile{128, 1, 2}, StemTile{64, 1, 3}}) {
+    if (n_tiles % tile.warps_n == 0 &&
+        StemSmemBytes(spec, tile.bm) <= device.max_smem_per_block) {
+      all.push_back(tile);
+    }
   }
   return all;
 }
@@ -633,7 +639,7 @@ std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& dev
 std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << (spec.conv.k + 7) / 8 * 8
-    << ", kMinBlocks = " << t.min_blocks << ";\n"
+    << ", kWarpsN = " << t.warps_n << ", kMinBlocks = " << t.min_blocks << ";\n"
     << "constexpr int kMmaDtype = " << (spec.dtype == DType::kBF16 ? 2 : 1) << ";\n"
     << "constexpr int kWinPitch = " << StemWindowPitch(spec, t.bm)
     << ", kSmemBytes = " << StemSmemBytes(spec, t.bm) << ";\n";
@@ -986,13 +992,14 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       const int sms = device.sm_count > 0 ? device.sm_count : 132;
       out.solver = "conv_stem";
       out.tile = std::to_string(tile.bm) + "x" + std::to_string((spec.conv.k + 7) / 8 * 8) +
-                 " b" + std::to_string(tile.min_blocks);
+                 " w" + std::to_string(tile.Threads() / 32) + " b" +
+                 std::to_string(tile.min_blocks);
       out.source = TranslationUnit(spec, StemConstants(spec, tile),
                                    {"conv_stem.cuh", "conv_direct.cuh"});
       out.entries.push_back(
           {"jaxfuse_conv_stem",
            static_cast<unsigned>(std::min<int64_t>(tiles_total, int64_t{sms} * tile.min_blocks)),
-           static_cast<unsigned>(tile.bm / 32 * 32),
+           static_cast<unsigned>(tile.Threads()),
            static_cast<unsigned>(StemSmemBytes(spec, tile.bm)), 16});
       out.entries.push_back(direct);
       return out;

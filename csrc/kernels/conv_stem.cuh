@@ -18,8 +18,9 @@
 // (implicit_gemm.h: store_tile), rows past the output row left out.
 //
 // From the code generator (namespace plan): kBM (64 or 128: 32 rows per warp), kBN (the
-// output channels rounded up to 8, at most 128), kMinBlocks, kMmaDtype (1 fp16, 2 bf16), and
-// kWinPitch, kSmemBytes. It checks NHWC, one group, no dilation, C <= 4, K % 8 == 0 and
+// output channels rounded up to 8, at most 128), kWarpsN (warps side by side along the
+// channels, each its share of the n-tiles: more warps to hide latencies, fewer accumulators),
+// kMinBlocks, kMmaDtype (1 fp16, 2 bf16), and kWinPitch, kSmemBytes. It checks NHWC, one group, no dilation, C <= 4, K % 8 == 0 and
 // W * C even (so no 4-byte word straddles an image row's end).
 #pragma once
 
@@ -32,9 +33,11 @@ namespace stem {
 using namespace plan;
 using namespace implicit_gemm;
 
-constexpr int kWarps = kBM / 32;
+constexpr int kWarps = kBM / 32 * kWarpsN;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kNTiles = kBN / 8;                     // mma n-tiles (8 channels each)
+constexpr int kWarpNTiles = kNTiles / kWarpsN;       // ... of one warp
+static_assert(kNTiles % kWarpsN == 0, "whole n-tiles per warp");
 constexpr int kColSteps = static_cast<int>((S + 3) / 4);  // k-steps per filter row
 constexpr int kKSteps = static_cast<int>(R) * kColSteps;
 constexpr i64 kSegments = (Q + kBM - 1) / kBM;       // tiles per output row
@@ -141,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
   float* tile_out = reinterpret_cast<float*>(smem + kBFragBytes + 2 * kWinBytes);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
   const int g = lane / 4, t = lane % 4;
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);
@@ -171,11 +175,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int q = warp * 32 + mt * 16 + half * 8 + g;
+        const int q = warp_m * 32 + mt * 16 + half * 8 + g;
         row_at[mt][half] = shift + (q * static_cast<int>(SW) + t) * static_cast<int>(C);
       }
     }
-    float acc[2][kNTiles][4] = {};
+    float acc[2][kWarpNTiles][4] = {};
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
       const u16* row = win + r * kWinPitch;
@@ -192,9 +196,9 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
             a[mt][2 + half] = pair(row, at + 2, column && C > 2, column && C > 3);  // 2, 3
           }
         }
-        const uint2* b = bfrag + (r * kColSteps + j) * kNTiles * 32 + lane;
+        const uint2* b = bfrag + ((r * kColSteps + j) * kNTiles + warp_n * kWarpNTiles) * 32 + lane;
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
+        for (int nt = 0; nt < kWarpNTiles; ++nt) {
           const uint2 bv = b[nt * 32];
           const u32 frag[2] = {bv.x, bv.y};
 #pragma unroll
@@ -207,10 +211,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
+      for (int nt = 0; nt < kWarpNTiles; ++nt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = warp * 32 + mt * 16 + half * 8 + g, col = nt * 8 + 2 * t;
+          const int row = warp_m * 32 + mt * 16 + half * 8 + g;
+          const int col = (warp_n * kWarpNTiles + nt) * 8 + 2 * t;
           *reinterpret_cast<float2*>(tile_out + row * kCPitch + col) =
               make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
         }
