@@ -331,8 +331,10 @@ _STEM_CHILD = textwrap.dedent("""
 """)
 
 
-def test_the_stem_kernel_is_correct(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_stem"}
+# Its first variant (the staged epilogue) and its first register-epilogue one.
+@pytest.mark.parametrize("forced", ["conv_stem", "conv_stem r"])
+def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": forced}
     done = subprocess.run([sys.executable, "-P", "-c",
                            _STEM_CHILD.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)

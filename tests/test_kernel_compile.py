@@ -175,8 +175,9 @@ def test_stem_kernel_variants_compile(case: Case, arch: str) -> None:
     assert all(out["binary_bytes"] > 0 for out in outs)
     n_tiles = (case.k + 7) // 8
     assert [out["tile"] for out in outs if out["solver"] == "conv_stem"] == [
-        f"{bm}x{n_tiles * 8} w{warps} b{blocks}"
-        for bm, warps, blocks in ((128, 8, 2), (128, 4, 2), (64, 2, 3))
+        f"{bm}x{n_tiles * 8} w{warps} b{blocks}{suffix}"
+        for bm, warps, blocks, suffix in ((128, 8, 2, ""), (128, 4, 2, ""), (64, 2, 3, ""),
+                                          (128, 4, 3, " r"), (64, 2, 5, " r"))
         if warps * 32 // bm == 1 or n_tiles % 2 == 0]
     odd_rows = dataclasses.replace(case, w=case.w + 1 if case.c % 2 else case.w, c=3)
     if (odd_rows.w * odd_rows.c) % 2:  # a word would straddle two image rows

@@ -591,9 +591,11 @@ std::string IgemmConstants(const IgemmTile& t, bool b_rows_are_k) {
 // ----- few-channel stems (conv_stem.cuh) -------------------------------------------------------
 
 // One tile of the stem kernel: bm output pixels of one output row (32 rows a warp), all
-// channels, split between warps_n warps.
+// channels, split between warps_n warps; the epilogue staged through shared memory or run in
+// registers.
 struct StemTile {
   int bm, warps_n, min_blocks;
+  bool staged = true;
   int Threads() const { return bm / 32 * warps_n * 32; }
 };
 
@@ -616,20 +618,21 @@ int64_t StemWindowPitch(const PlanSpec& spec, int bm) {
   return (2 * words + 7) / 8 * 8;
 }
 
-int64_t StemSmemBytes(const PlanSpec& spec, int bm) {
+int64_t StemSmemBytes(const PlanSpec& spec, const StemTile& tile) {
   const int64_t bn = (spec.conv.k + 7) / 8 * 8;
   const int64_t b_frags = spec.conv.r * ((spec.conv.s + 3) / 4) * (bn / 8) * 32 * 8;
-  const int64_t windows = 2 * spec.conv.r * StemWindowPitch(spec, bm) * 2;
-  return b_frags + windows + bm * (bn + 4) * 4;
+  const int64_t windows = 2 * spec.conv.r * StemWindowPitch(spec, tile.bm) * 2;
+  return b_frags + windows + (tile.staged ? tile.bm * (bn + 4) * 4 : 0);
 }
 
 std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   std::vector<StemTile> all;
   if (!StemApplies(spec, device)) return all;
   const int64_t n_tiles = (spec.conv.k + 7) / 8;
-  for (const StemTile tile : {StemTile{128, 2, 2}, StemTile{128, 1, 2}, StemTile{64, 1, 3}}) {
+  for (const StemTile tile : {StemTile{128, 2, 2}, StemTile{128, 1, 2}, StemTile{64, 1, 3},
+                              StemTile{128, 1, 3, false}, StemTile{64, 1, 5, false}}) {
     if (n_tiles % tile.warps_n == 0 &&
-        StemSmemBytes(spec, tile.bm) <= device.max_smem_per_block) {
+        StemSmemBytes(spec, tile) <= device.max_smem_per_block) {
       all.push_back(tile);
     }
   }
@@ -640,9 +643,10 @@ std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << (spec.conv.k + 7) / 8 * 8
     << ", kWarpsN = " << t.warps_n << ", kMinBlocks = " << t.min_blocks << ";\n"
-    << "constexpr int kMmaDtype = " << (spec.dtype == DType::kBF16 ? 2 : 1) << ";\n"
+    << "constexpr int kMmaDtype = " << (spec.dtype == DType::kBF16 ? 2 : 1)
+    << ";\nconstexpr bool kStaged = " << (t.staged ? "true" : "false") << ";\n"
     << "constexpr int kWinPitch = " << StemWindowPitch(spec, t.bm)
-    << ", kSmemBytes = " << StemSmemBytes(spec, t.bm) << ";\n";
+    << ", kSmemBytes = " << StemSmemBytes(spec, t) << ";\n";
   return s.str();
 }
 
@@ -993,14 +997,14 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       out.solver = "conv_stem";
       out.tile = std::to_string(tile.bm) + "x" + std::to_string((spec.conv.k + 7) / 8 * 8) +
                  " w" + std::to_string(tile.Threads() / 32) + " b" +
-                 std::to_string(tile.min_blocks);
+                 std::to_string(tile.min_blocks) + (tile.staged ? "" : " r");
       out.source = TranslationUnit(spec, StemConstants(spec, tile),
                                    {"conv_stem.cuh", "conv_direct.cuh"});
       out.entries.push_back(
           {"jaxfuse_conv_stem",
            static_cast<unsigned>(std::min<int64_t>(tiles_total, int64_t{sms} * tile.min_blocks)),
            static_cast<unsigned>(tile.Threads()),
-           static_cast<unsigned>(StemSmemBytes(spec, tile.bm)), 16});
+           static_cast<unsigned>(StemSmemBytes(spec, tile)), 16});
       out.entries.push_back(direct);
       return out;
     }

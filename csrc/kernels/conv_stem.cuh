@@ -14,13 +14,16 @@
 //
 // B, in that order, is built once per CTA as ready mma fragments (an 8-byte shared load per
 // k-step, n-tile and thread); CTAs are persistent and copy the next tile's windows while they
-// multiply the current one. The epilogue stages the fp32 tile through shared memory
-// (implicit_gemm.h: store_tile), rows past the output row left out.
+// multiply the current one. The epilogue either stages the fp32 tile through shared memory
+// (implicit_gemm.h: store_tile: 16-byte stores) or, with kStaged false, runs the chain on the
+// accumulators in registers and stores each thread's two adjacent channels as one 4-byte word:
+// no 35 KB staging tile, so more CTAs fit (Nsight Compute on the 7x7/2 stem: 12% occupancy,
+// the shared-memory pipe 72% busy). Rows past the output row are left out.
 //
 // From the code generator (namespace plan): kBM (64 or 128: 32 rows per warp), kBN (the
 // output channels rounded up to 8, at most 128), kWarpsN (warps side by side along the
 // channels, each its share of the n-tiles: more warps to hide latencies, fewer accumulators),
-// kMinBlocks, kMmaDtype (1 fp16, 2 bf16), and kWinPitch, kSmemBytes. It checks NHWC, one group, no dilation, C <= 4, K % 8 == 0 and
+// kMinBlocks, kMmaDtype (1 fp16, 2 bf16), kStaged, and kWinPitch, kSmemBytes. It checks NHWC, one group, no dilation, C <= 4, K % 8 == 0 and
 // W * C even (so no 4-byte word straddles an image row's end).
 #pragma once
 
@@ -55,7 +58,7 @@ constexpr int kCPitch = kBN + 4;  // floats: the epilogue's staging tile
 // Shared memory (dynamic): B's fragments, two window buffers, the staging tile.
 constexpr int kBFragBytes = kKSteps * kNTiles * 32 * 8;
 constexpr int kWinBytes = static_cast<int>(R) * kWinPitch * 2;
-constexpr int kStageBytes = kBM * kCPitch * 4;
+constexpr int kStageBytes = kStaged ? kBM * kCPitch * 4 : 0;
 static_assert(kBFragBytes + 2 * kWinBytes + kStageBytes <= kSmemBytes, "shared memory");
 
 // Filter value (r, s, c) of output channel k, 0 past the filter or the channels.
@@ -207,6 +210,37 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
       }
     }
 
+    const i64 m0 = (here.image * P + here.p) * Q + here.q0;
+    const int rows = static_cast<int>(Q - here.q0 < kBM ? Q - here.q0 : kBM);
+    if constexpr (!kStaged) {
+      __syncthreads();  // every warp is done with this tile's windows
+      // The chain on the accumulators: this thread's channels k, k + 1 of each n-tile, for its
+      // four rows; the per-channel terms read once per n-tile.
+#pragma unroll
+      for (int nt = 0; nt < kWarpNTiles; ++nt) {
+        const int k = (warp_n * kWarpNTiles + nt) * 8 + 2 * t;
+        const Epilogue::Channel lo = terms[k], hi = terms[k + 1];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = warp_m * 32 + mt * 16 + half * 8 + g;
+            if (row >= rows) continue;
+            const i64 m = m0 + row, out = m * K + k, param = (m % (P * Q)) * K + k;
+            float z0 = 0.0f, z1 = 0.0f;
+            if constexpr (Epilogue::kSide) {
+              const u32 z = *reinterpret_cast<const u32*>(static_cast<const Io::type*>(p.side) + out);
+              z0 = Io::load(static_cast<u16>(z & 0xffff));
+              z1 = Io::load(static_cast<u16>(z >> 16));
+            }
+            const float v0 = ep.apply_side(acc[mt][nt][2 * half], lo, param, z0);
+            const float v1 = ep.apply_side(acc[mt][nt][2 * half + 1], hi, param + 1, z1);
+            *reinterpret_cast<u32*>(y + out) = pack_halves(Io::store(v0), Io::store(v1));
+          }
+        }
+      }
+      continue;
+    }
     // The accumulators through the staging tile, then the chain and 16-byte stores.
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -222,9 +256,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
       }
     }
     __syncthreads();
-    const i64 m0 = (here.image * P + here.p) * Q + here.q0;
-    const i64 m_end = m0 + (Q - here.q0 < kBM ? Q - here.q0 : kBM);
-    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile_out, terms, m0, 0, 0, y, m_end);
+    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile_out, terms, m0, 0, 0, y, m0 + rows);
     __syncthreads();  // the staging tile and this tile's windows are free again
   }
 }
