@@ -923,8 +923,16 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     // streams several vectors, with kUnroll of them in flight).
     const unsigned grid = std::min(GridFor(elements / lanes + 1, 256, device),
                                    static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
+    // At most one vector a thread (the grid's threads cover the tensor; with whole channel
+    // vectors per pixel, the threads past a multiple of them idle): jaxfuse_pointwise then
+    // loads it first (pointwise.cuh: kSingleVector).
+    int64_t threads = int64_t{grid} * 256;
+    if (fixed_channels) threads -= threads % (spec.c / lanes);
+    const bool single = threads >= elements / lanes;
     out.solver = "pointwise";
-    out.source = TranslationUnit(spec, "", {"pointwise.cuh"});
+    out.source = TranslationUnit(
+        spec, std::string("constexpr bool kSingleVector = ") + (single ? "true" : "false") + ";\n",
+        {"pointwise.cuh"});
     out.entries.push_back({"jaxfuse_pointwise", grid, 256, table_bytes, 16});
     out.entries.push_back({"jaxfuse_pointwise_scalar", grid, 256, table_bytes, 1});
     return out;

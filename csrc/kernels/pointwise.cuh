@@ -61,10 +61,15 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
   constexpr i64 kVectors = kOutElements / kLanes;
   // NCHW planes that are a whole number of vectors keep one channel per vector.
   constexpr bool kChannelPerVector = !kNHWC && (H * W) % kLanes == 0;
-  const Epilogue ep(p);
-  const ChannelTerms terms = fill_channel_table(ep, table);
   const Vec16* x = static_cast<const Vec16*>(p.x);
   Vec16* y = static_cast<Vec16*>(p.y);
+  // Small tensors (kSingleVector, from the code generator: at most one vector a thread): the
+  // vector is loaded before anything else, so its latency overlaps the scalars' and the
+  // per-channel terms' loads instead of following them (batch 1 is latency bound).
+  Vec16 early{};
+  if (kSingleVector && global_thread_index() < kVectors) early = x[global_thread_index()];
+  const Epilogue ep(p);
+  const ChannelTerms terms = fill_channel_table(ep, table);
   i64 stride = global_thread_count();
   Epilogue::Channel fixed[kFixedChannels ? kLanes : 1];
   if (kFixedChannels) {
@@ -74,31 +79,38 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
 #pragma unroll
     for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = ep.channel(c0 + j);
   }
-  for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
-    Vec16 in[kUnroll];
+  // The chain on vector v, whose values `in` holds, stored to y.
+  auto run = [&](const Vec16& in, i64 v) {
+    const T* lanes = reinterpret_cast<const T*>(&in);
+    Vec16 out;
+    T* out_lanes = reinterpret_cast<T*>(&out);
+    const i64 first = v * kLanes;
+    Epilogue::Channel shared_channel;
+    if (kChannelPerVector) shared_channel = terms(input_channel(first));
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll * 16 bytes in flight
-      if (v0 + u * stride < kVectors) in[u] = x[v0 + u * stride];
+    for (int j = 0; j < kLanes; ++j) {
+      const i64 i = first + j;
+      const Epilogue::Channel ch = kFixedChannels     ? fixed[kFixedChannels ? j : 0]
+                                   : kChannelPerVector ? shared_channel
+                                                       : terms(input_channel(i));
+      out_lanes[j] = Io::store(ep.apply(Io::load(lanes[j]), ch, i % kPerSample, i));
     }
+    y[v] = out;
+  };
+  if (kSingleVector) {
+    if (global_thread_index() < kVectors) run(early, global_thread_index());
+  } else {
+    for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
+      Vec16 in[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const i64 v = v0 + u * stride;
-      if (v >= kVectors) break;
-      const T* lanes = reinterpret_cast<const T*>(&in[u]);
-      Vec16 out;
-      T* out_lanes = reinterpret_cast<T*>(&out);
-      const i64 first = v * kLanes;
-      Epilogue::Channel shared_channel;
-      if (kChannelPerVector) shared_channel = terms(input_channel(first));
-#pragma unroll
-      for (int j = 0; j < kLanes; ++j) {
-        const i64 i = first + j;
-        const Epilogue::Channel ch = kFixedChannels     ? fixed[kFixedChannels ? j : 0]
-                                     : kChannelPerVector ? shared_channel
-                                                         : terms(input_channel(i));
-        out_lanes[j] = Io::store(ep.apply(Io::load(lanes[j]), ch, i % kPerSample, i));
+      for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll * 16 bytes in flight
+        if (v0 + u * stride < kVectors) in[u] = x[v0 + u * stride];
       }
-      y[v] = out;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (v0 + u * stride >= kVectors) break;
+        run(in[u], v0 + u * stride);
+      }
     }
   }
   // The few elements past the last whole vector (none when channels fill whole vectors).
