@@ -30,11 +30,16 @@ struct GpuPlanState : PlanState {
     if (slotted) {
       if (const gpu::LoadedKernel* k = slots[ordinal].load(std::memory_order_acquire)) return *k;
     }
-    auto kernel = gpu::GetKernel(platform, *spec, ordinal);  // normally a hit (initialize)
+    // Normally a hit (the initialize stage loaded it); the backend's cache keeps every loaded
+    // kernel for the process's lifetime, `owned` only what the slots point at.
+    auto kernel = gpu::GetKernel(platform, *spec, ordinal);
+    if (!slotted) return *kernel;
     std::lock_guard<std::mutex> lock(mu);
-    owned.push_back(kernel);
-    if (slotted) slots[ordinal].store(kernel.get(), std::memory_order_release);
-    return *kernel;
+    if (slots[ordinal].load(std::memory_order_relaxed) == nullptr) {
+      owned.push_back(kernel);
+      slots[ordinal].store(kernel.get(), std::memory_order_release);
+    }
+    return *slots[ordinal].load(std::memory_order_relaxed);
   }
 
   std::array<std::atomic<const gpu::LoadedKernel*>, 64> slots{};
