@@ -187,7 +187,19 @@ def test_stem_kernel_variants_compile(case: Case, arch: str) -> None:
                    != "conv_stem" for v in range(count))
 
 
-# Every (geometry, variant) the solver chooser can pick for the benchmark suites' layers (real
+# A stem-shaped plan whose filter fragments would not fit shared memory (16x16 taps, 128 output
+# channels) and that the mma.sync kernel does not take (OHWI filters of 3 channels): the direct
+# kernel, not a stem variant that is not there.
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_stem_too_large_for_shared_memory_takes_the_direct_kernel(arch: str) -> None:
+    case = Case(ops="CBNA", dtype="float16", layout="NHWC", filter_layout="OHWI", c=3, k=128,
+                n=1, h=40, w=40, r=16, s=16, padding="SAME")
+    encoded = case.build()[0].signature.encode()
+    out = extension().gpu_compile_only("CUDA", encoded, arch)
+    assert out["solver"] == "conv_direct" and out["variants"] == 1 and out["binary_bytes"] > 0
+
+
+
 # networks: ResNet-50, MobileNetV2, depthwise MobileNet) compiles: a variant that does not is
 # dropped at run time, but it should not exist (MobileNetV2's 1x1 16->96 once hit a static
 # assertion only large outputs reach).

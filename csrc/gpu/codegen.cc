@@ -639,6 +639,11 @@ std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& dev
   return all;
 }
 
+// The stem kernel applies and one of its tiles fits the device's shared memory.
+bool StemOffered(const PlanSpec& spec, const DeviceInfo& device) {
+  return !StemCandidates(spec, device).empty();
+}
+
 std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << (spec.conv.k + 7) / 8 * 8
@@ -902,7 +907,7 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
     const size_t tma = TmaApplies(spec, device) ? TmaCandidates(spec, device).size() : 0;
     return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
   }
-  if (IgemmApplies(spec, device) || StemApplies(spec, device)) {
+  if (IgemmApplies(spec, device) || StemOffered(spec, device)) {
     const size_t igemm = IgemmApplies(spec, device) ? IgemmCandidates(spec, device).size() : 0;
     return static_cast<int>(igemm + StemCandidates(spec, device).size());
   }
@@ -990,7 +995,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     out.entries.push_back(direct);
     return out;
   }
-  if (IgemmApplies(spec, device) || StemApplies(spec, device)) {
+  if (IgemmApplies(spec, device) || StemOffered(spec, device)) {
     const std::vector<IgemmTile> tiles =
         IgemmApplies(spec, device) ? IgemmCandidates(spec, device) : std::vector<IgemmTile>{};
     // Variants past the mma.sync kernel's tiles (if it applies) are the stem kernel's.
