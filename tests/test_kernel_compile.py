@@ -199,7 +199,21 @@ def test_a_stem_too_large_for_shared_memory_takes_the_direct_kernel(arch: str) -
     assert out["solver"] == "conv_direct" and out["variants"] == 1 and out["binary_bytes"] > 0
 
 
+# The stem's tiles count its static table of epilogue terms (20 bytes a channel) against the
+# H100's opt-in shared memory (232448 bytes) too: this plan's two widest tiles once asked for
+# all of it in dynamic bytes alone, and could not have loaded.
+def test_stem_tiles_fit_shared_memory_with_their_static_table() -> None:
+    case = Case(ops="CBNA", dtype="float16", layout="NHWC", filter_layout="OHWI", c=1, k=64,
+                n=1, h=40, w=2000, r=16, s=13, strides=(1, 8), padding="SAME")
+    encoded = case.build()[0].signature.encode()
+    count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
+    outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
+            for v in range(count)]
+    stems = [out for out in outs if out["solver"] == "conv_stem"]
+    assert stems and all(out["entries"][0]["shared_bytes"] + 64 * 20 <= 232448 for out in stems)
 
+
+# Every (geometry, variant) the solver chooser can pick for the benchmark suites' layers (real
 # networks: ResNet-50, MobileNetV2, depthwise MobileNet) compiles: a variant that does not is
 # dropped at run time, but it should not exist (MobileNetV2's 1x1 16->96 once hit a static
 # assertion only large outputs reach).

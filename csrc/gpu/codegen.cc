@@ -629,10 +629,13 @@ std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& dev
   std::vector<StemTile> all;
   if (!StemApplies(spec, device)) return all;
   const int64_t n_tiles = (spec.conv.k + 7) / 8;
+  // The kernel's static table of epilogue terms (Epilogue::Channel, 20 bytes a channel)
+  // shares the opt-in limit with the dynamic bytes.
+  const int64_t static_bytes = n_tiles * 8 * 20;
   for (const StemTile tile : {StemTile{128, 2, 2}, StemTile{128, 1, 2}, StemTile{64, 1, 3},
                               StemTile{128, 1, 3, false}, StemTile{64, 1, 5, false}}) {
     if (n_tiles % tile.warps_n == 0 &&
-        StemSmemBytes(spec, tile) <= device.max_smem_per_block) {
+        StemSmemBytes(spec, tile) + static_bytes <= device.max_smem_per_block) {
       all.push_back(tile);
     }
   }
@@ -917,6 +920,7 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
 
 GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, int variant) {
   GeneratedKernel out;
+  variant = std::max(variant, 0);  // (indices past a solver's last variant clamp below)
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
     const int lanes = ChunkValues(spec.dtype);
