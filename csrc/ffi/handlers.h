@@ -1,7 +1,8 @@
 // The FFI handler symbols the extension exports: for the fused chain the CPU handler, and for
 // the GPU platforms an instantiate-stage handler (parse the plan once per executable), an
-// initialize-stage handler (compile and load the kernel) and an execute-stage handler; the same two GPU stages for the batched conversion; and the stopwatch used to time
-// candidate solvers.
+// initialize-stage handler (compile and load the kernel) and an execute-stage handler; the
+// same two GPU stages for the batched conversion; and the stopwatch used to time candidate
+// solvers.
 #pragma once
 
 #include "xla/ffi/api/c_api.h"

@@ -618,8 +618,9 @@ int64_t StemWindowPitch(const PlanSpec& spec, int bm) {
   return (2 * words + 7) / 8 * 8;
 }
 
+// (The tile's width is the output channels: StemApplies asks for a multiple of 8.)
 int64_t StemSmemBytes(const PlanSpec& spec, const StemTile& tile) {
-  const int64_t bn = (spec.conv.k + 7) / 8 * 8;
+  const int64_t bn = spec.conv.k;
   const int64_t b_frags = spec.conv.r * ((spec.conv.s + 3) / 4) * (bn / 8) * 32 * 8;
   const int64_t windows = 2 * spec.conv.r * StemWindowPitch(spec, tile.bm) * 2;
   return b_frags + windows + (tile.staged ? tile.bm * (bn + 4) * 4 : 0);
@@ -628,7 +629,7 @@ int64_t StemSmemBytes(const PlanSpec& spec, const StemTile& tile) {
 std::vector<StemTile> StemCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   std::vector<StemTile> all;
   if (!StemApplies(spec, device)) return all;
-  const int64_t n_tiles = (spec.conv.k + 7) / 8;
+  const int64_t n_tiles = spec.conv.k / 8;
   // The kernel's static table of epilogue terms (Epilogue::Channel, 20 bytes a channel)
   // shares the opt-in limit with the dynamic bytes.
   const int64_t static_bytes = n_tiles * 8 * 20;
@@ -649,7 +650,7 @@ bool StemOffered(const PlanSpec& spec, const DeviceInfo& device) {
 
 std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
   Text s;
-  s << "constexpr int kBM = " << t.bm << ", kBN = " << (spec.conv.k + 7) / 8 * 8
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << spec.conv.k
     << ", kWarpsN = " << t.warps_n << ", kMinBlocks = " << t.min_blocks << ";\n"
     << "constexpr int kMmaDtype = " << (spec.dtype == DType::kBF16 ? 2 : 1)
     << ";\nconstexpr bool kStaged = " << (t.staged ? "true" : "false") << ";\n"
@@ -1012,7 +1013,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       const int64_t tiles_total = spec.n * spec.out_h * segments;
       const int sms = device.sm_count > 0 ? device.sm_count : 132;
       out.solver = "conv_stem";
-      out.tile = std::to_string(tile.bm) + "x" + std::to_string((spec.conv.k + 7) / 8 * 8) +
+      out.tile = std::to_string(tile.bm) + "x" + std::to_string(spec.conv.k) +
                  " w" + std::to_string(tile.Threads() / 32) + " b" +
                  std::to_string(tile.min_blocks) + (tile.staged ? "" : " r");
       out.source = TranslationUnit(spec, StemConstants(spec, tile),

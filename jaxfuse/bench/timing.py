@@ -34,14 +34,7 @@ def batched(fn: Callable[..., Any]) -> Callable[[Sequence[Sequence[Any]]], Any]:
 def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
                      repeats: int = 20, warmup: int = 3) -> float:
     """Median wall seconds per op of ``many(arg_sets)`` (see module docstring)."""
-    for _ in range(warmup):
-        jax.block_until_ready(many(arg_sets))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(many(arg_sets))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / len(arg_sets)
+    return wall_times_interleaved({"": many}, arg_sets, repeats, warmup)[""]
 
 
 def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
