@@ -12,7 +12,7 @@
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
 # runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
-# NCU_RUNS, layer:dtype:batch[:layout[:filters]] runs of scripts/ncu_layer.py profiled by Nsight
+# NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain]]] runs of scripts/ncu_layer.py profiled by Nsight
 # Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
 # FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
 #
@@ -132,13 +132,13 @@ if has ncu; then
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
   stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
   for run in ${NCU_RUNS:-r50_l3_3x3_256:bfloat16:256}; do
-    IFS=: read -r layer dtype batch layout filters <<< "$run"
+    IFS=: read -r layer dtype batch layout filters chain <<< "$run"
     for which in fused xla; do
       left=$(( deadline - $(date +%s) ))
       (( left > 20 )) || { echo "skipped $run $which: out of time"; continue; }
       report="$OUT/ncu_${layer}_${dtype}_${batch}_${which}.txt"
       cmd=($py scripts/ncu_layer.py --layer "$layer" --dtype "$dtype" --batch "$batch"
-           --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --which "$which" --calls 1)
+           --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --chain "${chain:-CBNA}" --which "$which" --calls 1)
       # shellcheck disable=SC2086
       timeout "$left" ncu --profile-from-start off --clock-control none $sections $stalls \
         "${cmd[@]}" > "$report" 2>&1 \
