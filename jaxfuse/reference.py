@@ -92,9 +92,20 @@ def _epilogue(signature: PlanSignature, y: Any, ops: dict[str, Any], scalars: An
     return y
 
 
+def _narrowed_filters(signature: PlanSignature, w: Any) -> Any:
+    """The filters as the plan computes with them: float32 filters of a 16-bit plan rounded
+    to its dtype (what converting them before the convolution does)."""
+    if signature.filter_dtype == signature.dtype:
+        return w
+    return jnp.asarray(w).astype(signature.dtype)
+
+
 def reference_float64(signature: PlanSignature, *operands: Any) -> np.ndarray:
     """The chain in float64 NumPy, in the plan's layout (the correctness reference)."""
-    ops = {k: np.asarray(v, np.float64) for k, v in _split(signature, operands).items()}
+    ops = _split(signature, operands)
+    if signature.conv is not None:
+        ops["w"] = _narrowed_filters(signature, ops["w"])
+    ops = {k: np.asarray(v, np.float64) for k, v in ops.items()}
     y = _to_nchw(ops["x"], signature.layout)
     if signature.conv is not None:
         y = _conv_nchw_float64(y, _filter_to_oihw(ops["w"], signature.conv.filter_layout),
@@ -115,7 +126,8 @@ def unfused(signature: PlanSignature, *operands: Any, out_sharding: Any = None) 
         c = signature.conv
         precision = None if c.allow_tf32 else lax.Precision.HIGHEST
         y = lax.conv_general_dilated(
-            y, ops["w"], c.strides, c.padding, rhs_dilation=c.dilation,
+            y, _narrowed_filters(signature, ops["w"]), c.strides, c.padding,
+            rhs_dilation=c.dilation,
             dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
             feature_group_count=c.groups, precision=precision, out_sharding=out_sharding)
     y = _to_nchw(y.astype(jnp.float32), signature.layout)

@@ -36,6 +36,9 @@ class ConvSpec:
     dilation: tuple[int, int]
     groups: int
     allow_tf32: bool
+    # float32 filters of a float16/bfloat16 plan, rounded to the plan's dtype as the kernel
+    # loads them; None: filters in the plan's dtype.
+    filter_dtype: np.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,12 @@ class PlanSignature:
         o, i, h, w = c.out_channels, self.channels // c.groups, c.filter_h, c.filter_w
         return {"OIHW": (o, i, h, w), "HWIO": (h, w, i, o), "OHWI": (o, h, w, i)}[c.filter_layout]
 
+    @property
+    def filter_dtype(self) -> np.dtype:
+        """The filters' dtype: the plan's, or float32 (see ConvSpec.filter_dtype)."""
+        c = self.conv
+        return self.dtype if c is None or c.filter_dtype is None else np.dtype(c.filter_dtype)
+
     @cached_property
     def param_shape(self) -> dict[str, tuple[int, ...]]:
         """Shapes of bias and batch-norm parameters."""
@@ -108,7 +117,7 @@ class PlanSignature:
         specs = [OperandSpec("x", self.input_shape, self.dtype)]
         for letter in self.ops:
             if letter == "C":
-                specs.append(OperandSpec("w", self.filter_shape, self.dtype))
+                specs.append(OperandSpec("w", self.filter_shape, self.filter_dtype))
             elif letter == "B":
                 specs.append(OperandSpec("bias", self.param_shape["bias"], f32))
             elif letter == "N":
@@ -145,6 +154,8 @@ class PlanSignature:
                 f"conv={c.out_channels},{c.filter_h},{c.filter_w},{c.strides[0]},{c.strides[1]},"
                 f"{pt},{pb},{pl},{pr},{c.dilation[0]},{c.dilation[1]},{c.groups},"
                 f"{c.filter_layout},{int(c.allow_tf32)}")
+            if self.filter_dtype != self.dtype:
+                parts.append(f"wdtype={dtype_code(self.filter_dtype)}")
         if self.bn_mode is not None:
             parts.append(f"bn={self.bn_mode}")
         if self.activation is not None:
@@ -159,6 +170,8 @@ class PlanSignature:
             geom = f" {c.filter_h}x{c.filter_w}/{c.strides[0]} ->{c.out_channels}"
             if c.groups > 1:
                 geom += f" g{c.groups}"
+            if self.filter_dtype != self.dtype:
+                geom += f" w:{self.filter_dtype.name}"
         act = f" {self.activation.value}" if self.activation is not None else ""
         return (f"{self.ops}{act} {self.dtype.name} {self.layout} "
                 f"{self.batch}x{self.channels}x{self.height}x{self.width}{geom}")

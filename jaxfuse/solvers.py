@@ -226,8 +226,11 @@ def _composition(signature: PlanSignature, *operands: Any) -> jax.Array:
     for letter in signature.ops:
         if letter == "C":
             c = signature.conv
+            w = ops["w"]
+            if w.dtype != dtype:  # float32 filters of a 16-bit plan: rounded, then used
+                w = w.astype(dtype)
             y = lax.conv_general_dilated(
-                y, ops["w"], c.strides, c.padding, rhs_dilation=c.dilation,
+                y, w, c.strides, c.padding, rhs_dilation=c.dilation,
                 dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
                 feature_group_count=c.groups,
                 precision=None if c.allow_tf32 else lax.Precision.HIGHEST)

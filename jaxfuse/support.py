@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from .descriptors import FILTER_LAYOUTS, ConvDesc, TensorDesc, filter_layout
 from .errors import FusionError, UnsupportedFusionError
 from .ops import FusionOp
@@ -57,9 +59,13 @@ def check_conv(input_desc: TensorDesc, conv: ConvDesc, filt: TensorDesc) -> Conv
     if filt.ndim != 4 or layout not in FILTER_LAYOUTS:
         raise FusionError(f"filter descriptor must be 4-D in layout OIHW, HWIO or OHWI; got shape "
                           f"{filt.shape} layout {filt.layout!r}")
-    if filt.dtype != input_desc.dtype:
+    # Filters in the plan's dtype, or float32 ones for a 16-bit plan (a model that keeps its
+    # parameters in float32): the kernel rounds them to the plan's dtype as it loads them.
+    wide = filt.dtype == np.float32 and input_desc.dtype != np.float32
+    if filt.dtype != input_desc.dtype and not wide:
         raise TypeError(f"filter dtype {filt.dtype.name} differs from the plan's input dtype "
-                        f"{input_desc.dtype.name}")
+                        f"{input_desc.dtype.name} (filters are in the input's dtype, or "
+                        f"float32 for a float16 or bfloat16 plan)")
     k, ci, r, s = (filt.shape[layout.index(a)] for a in "OIHW")
     c, g = input_desc.dim("C"), conv.groups
     if min(k, ci, r, s) < 1:
@@ -78,7 +84,8 @@ def check_conv(input_desc: TensorDesc, conv: ConvDesc, filt: TensorDesc) -> Conv
                           f"{conv.explicit_padding(in_hw, (r, s))}, strides {conv.strides}")
     return ConvSpec(out_channels=k, filter_h=r, filter_w=s, filter_layout=layout,
                     strides=conv.strides, padding=conv.explicit_padding(in_hw, (r, s)),
-                    dilation=conv.dilation, groups=g, allow_tf32=conv.precision is None)
+                    dilation=conv.dilation, groups=g, allow_tf32=conv.precision is None,
+                    filter_dtype=filt.dtype if wide else None)
 
 
 def supported_chains() -> list[str]:

@@ -62,9 +62,11 @@ class Case:
     bn_mode: str = "spatial"
     activation: str = "relu"
     precision: str | None = None
+    filter_dtype: str | None = None  # float32 filters of a 16-bit plan; None: the plan's dtype
 
     def __str__(self) -> str:
-        return (f"{self.ops}-{self.dtype}-{self.layout}-{self.filter_layout}-"
+        wide = f"-w{self.filter_dtype}" if self.filter_dtype else ""
+        return (f"{self.ops}-{self.dtype}-{self.layout}-{self.filter_layout}{wide}-"
                 f"{self.n}x{self.c}x{self.h}x{self.w}-k{self.k}-{self.r}x{self.s}-"
                 f"s{self.strides}-p{self.padding}-d{self.dilation}-g{self.groups}-"
                 f"{self.bn_mode}-{self.activation}")
@@ -86,7 +88,8 @@ class Case:
                 conv = jf.ConvDesc(self.strides, self.padding, self.dilation, self.groups,
                                    self.precision)
                 handles["C"] = plan.add_conv_forward(
-                    conv, jf.TensorDesc(self.filter_shape, self.dtype, self.filter_layout))
+                    conv, jf.TensorDesc(self.filter_shape, self.filter_dtype or self.dtype,
+                                        self.filter_layout))
             elif letter == "B":
                 channels = self.k if "C" in self.ops else self.c
                 handles["B"] = plan.add_bias_forward(jf.TensorDesc((channels,), self.dtype))
@@ -112,7 +115,8 @@ class Case:
         for letter in self.ops:
             op = handles[letter]
             if letter == "C":
-                w = jnp.asarray(rng.standard_normal(self.filter_shape) / np.sqrt(fan_in), dtype)
+                w = jnp.asarray(rng.standard_normal(self.filter_shape) / np.sqrt(fan_in),
+                                self.filter_dtype or dtype)
                 alpha = 1.25
                 args.set_conv_forward(op, w, alpha=alpha)
                 scalars["conv_alpha"] = alpha

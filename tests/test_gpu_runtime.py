@@ -141,7 +141,19 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="CBNA", c=256, k=256, groups=256, n=16, h=28, w=28,
                       dtype="float16", **NHWC),
                  Case(ops="CBNA", c=96, k=96, groups=96, n=8, h=112, w=112, strides=(2, 2),
-                      activation="clipped_relu", dtype="bfloat16", **NHWC)]:
+                      activation="clipped_relu", dtype="bfloat16", **NHWC),
+                 # float32 filters of 16-bit plans (a model's parameters): conv_wgmma's
+                 # converting B path at batch 1 (split-K) and 4, OHWI, a side input; NCHW
+                 # takes the direct kernel.
+                 Case(ops="CBNA", c=512, k=512, n=1, h=7, w=7, dtype="bfloat16",
+                      filter_dtype="float32", **NHWC),
+                 Case(ops="CBNSA", c=128, k=200, n=4, h=9, w=11, strides=(2, 1),
+                      dtype="float16", filter_dtype="float32", **NHWC),
+                 Case(ops="CBA", c=64, k=72, n=1, h=14, w=14, r=1, s=1, padding="VALID",
+                      dtype="bfloat16", layout="NHWC", filter_layout="OHWI",
+                      filter_dtype="float32"),
+                 Case(ops="CBNA", c=16, k=24, n=2, h=9, w=8, dtype="float16",
+                      filter_dtype="float32", **NCHW)]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)

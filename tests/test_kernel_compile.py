@@ -405,3 +405,29 @@ def test_ping_pong_tiles_compile_unless_withdrawn(case: Case, monkeypatch) -> No
     expected = [t + " pp" for t in plain if " b1" in t and int(t.split()[0][4:]) <= 128]
     assert expected and [t for t in both if t.endswith(" pp")] == expected
 
+
+
+# float32 filters of 16-bit plans (a model's parameters, rewrite/filters.py): on sm_90
+# conv_wgmma rounds them as they load, in every tile it offers (with stages that fit the
+# larger stages in shared memory), among them every ResNet-50 layer the rewrite hands them to
+# at batch 1; NCHW, OIHW filters and other GPUs take the direct kernel.
+WIDE = [Case(ops=ops, dtype=dt, layout=layout, filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+             r=r, s=r, padding="SAME", filter_dtype="float32")
+        for ops, dt, layout, fl, c, k, n, hw, r in (
+            ("CBNA", "bfloat16", "NHWC", "HWIO", 512, 512, 1, 7, 3),
+            ("CBNSA", "float16", "NHWC", "OHWI", 128, 200, 4, 9, 3),
+            ("CBA", "bfloat16", "NHWC", "HWIO", 64, 72, 8, 28, 1),
+            ("CBNA", "float16", "NCHW", "OIHW", 64, 64, 1, 14, 3),
+            ("CBNA", "bfloat16", "NHWC", "OIHW", 64, 64, 1, 14, 1))] + [
+    dataclasses.replace(case, filter_dtype="float32") for case in _suite_cases()
+    if case.layout == "NHWC" and case.n == 1 and case.c % 64 == 0 and case.groups == 1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", WIDE, ids=str)
+def test_float32_filters_compile(case: Case, arch: str) -> None:
+    outs = _compile_every_variant(case, arch)
+    converts = arch == "sm_90" and case.layout == "NHWC" and case.filter_layout != "OIHW"
+    assert outs[0]["solver"] == ("conv_wgmma" if converts else "conv_direct")
+    for out in outs:
+        assert out["entries"][0]["shared_bytes"] <= 227 * 1024

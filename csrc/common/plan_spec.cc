@@ -107,6 +107,7 @@ std::string Canonical(const PlanSpec& spec) {
     out += ";conv=" + join({g.k, g.r, g.s, g.stride_h, g.stride_w, g.pad_t, g.pad_b, g.pad_l,
                             g.pad_r, g.dil_h, g.dil_w, g.groups}) +
            "," + FilterLayoutName(g.filter_layout) + "," + (g.allow_tf32 ? "1" : "0");
+    if (spec.wide_filters()) out += ";wdtype=f32";
   }
   if (spec.bn != BnMode::kNone) {
     out += spec.bn == BnMode::kSpatial ? ";bn=spatial" : ";bn=per_activation";
@@ -134,7 +135,7 @@ bool PlanSpec::has(PointwiseOp op) const {
 
 std::vector<PlanSpec::Operand> PlanSpec::operands() const {
   std::vector<Operand> ops{{"x", input_elements(), true}};
-  if (has_conv) ops.push_back({"w", filter_elements(), true});
+  if (has_conv) ops.push_back({"w", filter_elements(), !wide_filters()});
   for (PointwiseOp op : pointwise) {
     switch (op) {
       case PointwiseOp::kBias: ops.push_back({"bias", out_c, false}); break;
@@ -166,7 +167,7 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
     bool seen = false;
   };
   Field named[] = {{"dtype", {}}, {"layout", {}}, {"in", {}}, {"ops", {}},
-                   {"conv", {}},  {"bn", {}},     {"act", {}}};
+                   {"conv", {}},  {"bn", {}},     {"act", {}}, {"wdtype", {}}};
   for (size_t i = 1; i < fields.size(); ++i) {
     const size_t eq = fields[i].find('=');
     if (eq == std::string_view::npos) Fail("field '" + std::string(fields[i]) + "' has no '='");
@@ -182,7 +183,7 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
   const std::string_view dtype_text = named[0].value, layout_text = named[1].value,
                          in_text = named[2].value, ops_text = named[3].value,
                          conv_text = named[4].value, bn_text = named[5].value,
-                         act_text = named[6].value;
+                         act_text = named[6].value, wdtype_text = named[7].value;
   if (dtype_text.empty() || layout_text.empty() || in_text.empty() || ops_text.empty()) {
     Fail("needs dtype, layout, in and ops fields");
   }
@@ -258,6 +259,12 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
     spec.out_w = span_w / g.stride_w + 1;
   } else if (!conv_text.empty()) {
     Fail("'conv' given but the plan has no convolution");
+  }
+  spec.filter_dtype = spec.dtype;
+  if (!wdtype_text.empty()) {
+    if (!spec.has_conv) Fail("'wdtype' given but the plan has no convolution");
+    if (wdtype_text == "f32") spec.filter_dtype = DType::kF32;
+    else if (wdtype_text != dtype_text) Fail("wdtype must be f32 or the plan's dtype");
   }
 
   if (spec.has(PointwiseOp::kBatchNorm)) {

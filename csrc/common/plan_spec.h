@@ -37,6 +37,10 @@ struct PlanSpec {
   // in another order, "007" for "7") have one canonical form.
   std::string canonical;
   DType dtype = DType::kF32;
+  // The filters' dtype: the plan's, or float32 for a 16-bit plan whose filters are kept in
+  // float32 (each is rounded to the plan's dtype as it loads, exactly as a conversion before
+  // the convolution would round it, so no separate conversion pass runs on every call).
+  DType filter_dtype = DType::kF32;
   Layout layout = Layout::kNCHW;
   int64_t n = 0, c = 0, h = 0, w = 0;
   bool has_conv = false;
@@ -55,12 +59,15 @@ struct PlanSpec {
   int64_t input_elements() const { return n * c * h * w; }
   int64_t output_elements() const { return n * out_c * out_h * out_w; }
   int64_t filter_elements() const { return conv.k * (c / conv.groups) * conv.r * conv.s; }
+  // Whether the filters are float32 while the plan computes in a 16-bit dtype.
+  bool wide_filters() const { return has_conv && filter_dtype != dtype; }
   // Elements of one batch-norm parameter array (per channel or per activation).
   int64_t bn_param_elements() const {
     return bn == BnMode::kPerActivation ? out_c * out_h * out_w : out_c;
   }
   // The operands in call order (x, w?, bias?, scale/shift/mean/var?, side?, scalars):
-  // element counts and whether each has the plan's dtype (else float32).
+  // element counts and whether each has the plan's dtype (else float32; the filters have
+  // filter_dtype).
   struct Operand {
     const char* name;
     int64_t elements;

@@ -69,6 +69,15 @@ std::string PlanConstants(const PlanSpec& spec) {
       << ", DH = " << g.dil_h << ", DW = " << g.dil_w << ";\n"
       << "constexpr i64 G = " << g.groups << ", CG = C / G, KG = K / G;\n"
       << "constexpr bool kAllowTf32 = " << (g.allow_tf32 ? "true" : "false") << ";\n";
+    // The filters' storage, and one filter value as the plan's dtype holds it: float32 filters
+    // of a 16-bit plan are rounded to it first, as converting them before the call would.
+    if (spec.wide_filters()) {
+      s << "typedef Storage<0> FilterIo;\n"
+        << "JF_DEVICE float filter_value(float v) { return Io::load(Io::store(v)); }\n";
+    } else {
+      s << "typedef Io FilterIo;\n"
+        << "JF_DEVICE float filter_value(Io::type v) { return Io::load(v); }\n";
+    }
   }
   s << "}  // namespace plan\n}  // namespace jaxfuse\n";
   return s.str();
@@ -194,7 +203,8 @@ int ArchNumber(const std::string& arch) {
 int ChunkValues(DType dtype) { return static_cast<int>(16 / dtype_size(dtype)); }
 
 // Whether the tensor-core kernel applies to the plan on this device.
-bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
+// The geometry and dtype conditions of the tensor-core kernels (IgemmApplies, WgmmaApplies).
+bool IgemmShapeApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   const int64_t cg = spec.c / g.groups, kg = g.k / g.groups;
   const bool nhwc = spec.layout == Layout::kNHWC;
@@ -221,6 +231,11 @@ bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
          filter_ok && channels_ok && kg % 8 == 0 &&
          g.r * g.s * cg < (int64_t{1} << 31) &&  // the k loop indexes the reduction with int
          spec.h * spec.w < (int64_t{1} << 31) && spec.out_h * spec.out_w < (int64_t{1} << 31);
+}
+
+// The mma.sync kernel (16-bit filters only: fp32 ones of a 16-bit plan take conv_wgmma).
+bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
+  return IgemmShapeApplies(spec, device) && !spec.wide_filters();
 }
 
 // A reduction that is not whole k-tiles and whose taps are not whole 16-byte chunks of NHWC
@@ -276,10 +291,12 @@ IgemmTile ChooseIgemmTile(const PlanSpec& spec, const DeviceInfo& device) {
 
 struct WgmmaTile {
   int bm, bn, stages, min_blocks;
-  int splits = 1;  // split-K over a cluster of this many CTAs
+  int splits = 1;       // split-K over a cluster of this many CTAs
+  bool wide_b = false;  // fp32 filters: each stage also holds B's fp32 chunks (kWideB)
   int Threads() const { return bm / 64 * 128; }
   int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
-    return std::max(stages * (bm + bn) * 128, bm * (bn + 8) * 4) + 1024;
+    return std::max(stages * ((bm + bn) * 128 + (wide_b ? bn * 256 : 0)), bm * (bn + 8) * 4) +
+           1024;
   }
 };
 
@@ -290,15 +307,21 @@ int HopperKTile(const PlanSpec& spec) { return spec.dtype == DType::kF32 ? 32 : 
 bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   // fp32 (TF32, where IgemmApplies allows it): NHWC, whose rows of A are copied 16 bytes at
-  // a time (NCHW's gathered rows are written for 16-bit values).
+  // a time (NCHW's gathered rows are written for 16-bit values). fp32 filters of a 16-bit
+  // plan: NHWC too, B in 16-byte chunks (HWIO or OHWI).
   const bool dtype_ok = spec.dtype != DType::kF32 || spec.layout == Layout::kNHWC;
-  return IgemmApplies(spec, device) && dtype_ok && device.arch == "sm_90" &&
+  const bool filters_ok = !spec.wide_filters() || (spec.layout == Layout::kNHWC &&
+                                                   g.filter_layout != FilterLayout::kOIHW);
+  return IgemmShapeApplies(spec, device) && dtype_ok && filters_ok && device.arch == "sm_90" &&
          (spec.c / g.groups) % HopperKTile(spec) == 0;
 }
 
-// A tile with as many CTAs per multiprocessor as shared memory and registers allow.
-WgmmaTile MakeWgmmaTile(int bm, int bn, int stages) {
+// A tile with as many CTAs per multiprocessor as shared memory and registers allow. With
+// fp32 filters (`wide_b`) a stage is larger: fewer stages where four would not fit.
+WgmmaTile MakeWgmmaTile(int bm, int bn, int stages, bool wide_b) {
   WgmmaTile tile{bm, bn, stages, 1};
+  tile.wide_b = wide_b;
+  while (tile.stages > 3 && tile.SmemBytes() > 227 * 1024) --tile.stages;
   const int per_sm = std::max(1, 227 * 1024 / tile.SmemBytes());
   const int regs_per_thread = bn / 2 + 56;  // accumulators + addressing and epilogue
   tile.min_blocks = std::max(1, std::min({per_sm, 65536 / (regs_per_thread * tile.Threads()), 4}));
@@ -307,6 +330,7 @@ WgmmaTile MakeWgmmaTile(int bm, int bn, int stages) {
 
 WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
+  const bool wide = spec.wide_filters();
   const int64_t kg = g.k / g.groups, m = spec.n * spec.out_h * spec.out_w;
   const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / HopperKTile(spec);
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
@@ -324,19 +348,21 @@ WgmmaTile ChooseWgmmaTile(const PlanSpec& spec, const DeviceInfo& device) {
   } else if (ctas(128, 64) >= sms) {
     bm = 128;
   }
-  return MakeWgmmaTile(bm, bn, static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 4)));
+  return MakeWgmmaTile(bm, bn, static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 4)), wide);
 }
 
 std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
+  const bool wide = spec.wide_filters();
   const int64_t kg = g.k / g.groups;
   const int64_t k_tiles = g.r * g.s * (spec.c / g.groups) / HopperKTile(spec);
   std::vector<WgmmaTile> all = {ChooseWgmmaTile(spec, device)};
   // Deep pipelines for long reductions, wide tiles for wide outputs, small ones for small M.
   const int deep = static_cast<int>(std::clamp<int64_t>(k_tiles + 2, 3, 6));
   const std::vector<WgmmaTile> extras = {
-      MakeWgmmaTile(128, 128, deep), MakeWgmmaTile(128, 256, 4), MakeWgmmaTile(128, 64, 4),
-      MakeWgmmaTile(64, 128, deep), MakeWgmmaTile(128, 128, 3), MakeWgmmaTile(64, 64, 4)};
+      MakeWgmmaTile(128, 128, deep, wide), MakeWgmmaTile(128, 256, 4, wide),
+      MakeWgmmaTile(128, 64, 4, wide),     MakeWgmmaTile(64, 128, deep, wide),
+      MakeWgmmaTile(128, 128, 3, wide),    MakeWgmmaTile(64, 64, 4, wide)};
   std::vector<WgmmaTile> candidates = extras;
   // Outputs too small to occupy the device: split the reduction over a cluster of CTAs.
   const int64_t m = spec.n * spec.out_h * spec.out_w;
@@ -346,7 +372,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
     int splits = 1;
     while (splits < 8 && tiles * splits * 2 <= 2 * sms && k_tiles >= splits * 2 * 4) splits *= 2;
     if (splits > 1 && bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64)) {
-      WgmmaTile t = MakeWgmmaTile(64, bn, 4);
+      WgmmaTile t = MakeWgmmaTile(64, bn, 4, wide);
       t.splits = splits;
       candidates.insert(candidates.begin(), t);
     }
@@ -405,7 +431,9 @@ std::pair<int64_t, int64_t> CornerBox(int64_t in, int64_t out, int64_t stride, i
 
 bool TmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   // The im2col map walks NHWC pixels (channels innermost); fp32 through TF32 (conv_tma.cuh).
-  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC) return false;
+  if (!WgmmaApplies(spec, device) || spec.layout != Layout::kNHWC || spec.wide_filters()) {
+    return false;  // (fp32 filters: conv_wgmma alone converts them as they load)
+  }
   const ConvGeometry& g = spec.conv;
   const bool k_major = g.filter_layout != FilterLayout::kHWIO;
   if (k_major && g.filter_layout == FilterLayout::kOIHW && (g.r != 1 || g.s != 1)) return false;
@@ -604,8 +632,8 @@ struct StemTile {
 bool StemApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const ConvGeometry& g = spec.conv;
   return !device.hip && ArchNumber(device.arch) >= 80 && spec.has_conv &&
-         spec.dtype != DType::kF32 && spec.layout == Layout::kNHWC && g.groups == 1 &&
-         g.dil_h == 1 && g.dil_w == 1 && spec.c <= 4 && g.k % 8 == 0 && g.k <= 128 &&
+         spec.dtype != DType::kF32 && !spec.wide_filters() && spec.layout == Layout::kNHWC &&
+         g.groups == 1 && g.dil_h == 1 && g.dil_w == 1 && spec.c <= 4 && g.k % 8 == 0 && g.k <= 128 &&
          (spec.w * spec.c) % 2 == 0 && g.r <= 16 && g.s <= 16 && g.stride_w <= 8 &&
          spec.n * spec.out_h * spec.out_w < (int64_t{1} << 31);
 }
@@ -680,7 +708,7 @@ struct DepthwiseTile {
 bool IsDepthwise(const PlanSpec& spec) {
   const ConvGeometry& g = spec.conv;
   return g.groups == spec.c && g.k == spec.c && spec.layout == Layout::kNHWC &&
-         g.filter_layout == FilterLayout::kHWIO;
+         g.filter_layout == FilterLayout::kHWIO && !spec.wide_filters();
 }
 
 // Per output axis, for a tile of `tile` outputs in blocks of `block`: the blocks with work and

@@ -72,6 +72,7 @@ JF_DEVICE Pointer advance(Pointer base, Idx offset) {
 // CTA and tile numbers in 32 bits where they fit.
 typedef IndexType<(kTiles * kSlices < (i64(1) << 31))>::type TileIdx;
 
+static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(K == C && G == C, "depthwise, multiplier 1");
 static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole slices");
 static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");

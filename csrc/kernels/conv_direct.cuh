@@ -29,7 +29,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_direct(jaxfuse::F
   typedef Io::type T;
   const Epilogue ep(p);
   const T* JF_RESTRICT x = static_cast<const T*>(p.x);
-  const T* JF_RESTRICT w = static_cast<const T*>(p.w);
+  const FilterIo::type* JF_RESTRICT w = static_cast<const FilterIo::type*>(p.w);
   T* JF_RESTRICT y = static_cast<T*>(p.y);
   for (i64 idx = global_thread_index(); idx < kOutElements; idx += global_thread_count()) {
     // Consecutive threads write consecutive output elements, in the output's own layout.
@@ -53,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_direct(jaxfuse::F
         if (iw < 0 || iw >= W) continue;
         for (i64 ci = 0; ci < CG; ++ci) {
           acc += Io::load(x[x_offset(n, group * CG + ci, ih, iw)]) *
-                 Io::load(w[w_offset(k, ci, r, s)]);
+                 filter_value(w[w_offset(k, ci, r, s)]);
         }
       }
     }

@@ -83,6 +83,7 @@ constexpr int kPlaneChunks = kAChunksPerRow / (kColStep > 0 ? kColStep : 1);
 constexpr int kBGatherChunks = kBChunks;
 constexpr int kBChunksPerRow = kBK / kChunk;
 
+static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragments");
 static_assert(kBK % 16 == 0, "whole mma k-steps");
 static_assert(!kGatherA || kStages == 2, "gathered A: two stages");

@@ -40,6 +40,7 @@ constexpr int kWarps = kBM / 32 * kWarpsN;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kNTiles = kBN / 8;                     // mma n-tiles (8 channels each)
 constexpr int kWarpNTiles = kNTiles / kWarpsN;       // ... of one warp
+static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(kNTiles % kWarpsN == 0, "whole n-tiles per warp");
 constexpr int kColSteps = static_cast<int>((S + 3) / 4);  // k-steps per filter row
 constexpr int kKSteps = static_cast<int>(R) * kColSteps;

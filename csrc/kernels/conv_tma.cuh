@@ -81,6 +81,7 @@ constexpr int kProducerRegisters = kBlocks == 1 ? 40 : 24;
 constexpr int kConsumerRegisters =
     (kThreads * kLaunchRegisters - 128 * kProducerRegisters) / (128 * kConsumers) / 8 * 8;
 
+static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
 static_assert(!kPingPong || kBN <= 128, "ping-pong: 128 x kBN accumulators in one warpgroup");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");

@@ -19,6 +19,13 @@
 // stage (16-byte shared stores, same swizzle) at the next iteration; B still streams in with
 // cp.async. The epilogue reads the staging tile a pixel per thread and stores channel planes.
 //
+// float32 filters of a 16-bit plan (kWideB, PlanSpec::wide_filters: a model keeping its
+// parameters in float32): each B chunk of 8 values arrives as two 16-byte copies into the
+// stage's raw area, laid out by thread, and the thread that copied it rounds it to the plan's
+// dtype into its swizzled place (convert_b) once its own copies have landed, before the
+// stage's barrier: the copy pipeline keeps its depth, no barrier is added, and no conversion
+// pass over the filters runs before the call.
+//
 // Split-K (kSplits > 1, for outputs too small to occupy the device): the kSplits CTAs of a
 // thread-block cluster each reduce a slice of the k-tiles; their fp32 tiles are then summed
 // through distributed shared memory, each CTA summing and writing kBM / kSplits of the rows. No
@@ -50,11 +57,13 @@ static_assert(kSplits >= 1 && kSplits <= 8 && kBM % kSplits == 0 && kKTiles >= k
               "split-K over at most 8 CTAs (a portable cluster), each with some k-tiles");
 constexpr u32 kATileBytes = kBM * 128;
 constexpr u32 kBTileBytes = kBN * 128;
-constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
-constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
-constexpr int kCPitch = kBN + 8;  // floats: the epilogue's staging tile (8: no conflicts)
 constexpr int kAChunks = kBM * 8 / kThreads;  // 16-byte chunks per thread per stage
 constexpr int kBChunks = kBN * 8 / kThreads;
+constexpr bool kWideB = sizeof(FilterIo::type) != sizeof(Io::type);
+constexpr u32 kRawBBytes = kWideB ? kBChunks * kThreads * 32 : 0;  // fp32 B chunks, by thread
+constexpr u32 kStageBytes = kATileBytes + kBTileBytes + kRawBBytes;  // whole 1024-byte atoms
+constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
+constexpr int kCPitch = kBN + 8;  // floats: the epilogue's staging tile (8: no conflicts)
 // NCHW: A gathered through registers; a thread's pixel is row tid % kBM, its chunks the columns
 // tid / kBM + i * kColStep.
 constexpr bool kGatherA = !kNHWC;
@@ -68,6 +77,7 @@ static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kAChunks * kColStep == 8, "NCHW: a thread's chunks cover its columns");
 static_assert(!kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per filter tap");
 static_assert(!kTf32 || kNHWC, "TF32: NHWC activations (NCHW gathers 16-bit values)");
+static_assert(!kWideB || (!kTf32 && kNHWC), "fp32 filters: 16-bit NHWC plans");
 // TF32 with [kk][k] filters: B transposed into K-major rows as it loads (load_b).
 constexpr bool kTransposeB = kTf32 && !kFiltersKMajor;
 static_assert(kStages * kStageBytes + 1024 <= kSmemBytes &&
@@ -109,7 +119,19 @@ JF_DEVICE void store_a(u32 sa, int tid, const T (&v)[kAChunks * 8]) {
   }
 }
 
-JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int tid) {
+// Where chunk `chunk` of a stage's B tile goes, from the tile's start.
+JF_DEVICE u32 b_chunk_offset(int chunk) {
+  if (kFiltersKMajor) return wgmma::swizzled_chunk(chunk / 8, chunk % 8);  // one output channel
+  const int krow = chunk / (kBN / 8), n8 = chunk % (kBN / 8);  // one input channel, 64 outputs
+  return (n8 / 8) * kNBlockBytes + wgmma::swizzled_offset(krow, (n8 % 8) * 8);
+}
+
+// kWideB: the raw area's 16-byte words of this thread's chunk i (half 0 or 1).
+JF_DEVICE u32 raw_b_word(u32 sb, int i, int half, int tid) {
+  return sb + kBTileBytes + ((2 * i + half) * kThreads + tid) * 16u;
+}
+
+JF_DEVICE void load_b(const FilterIo::type* w, u32 sb, int kt, i64 group, int n0, int tid) {
   const int kk0 = kt * kBK;
   const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
   if constexpr (kTransposeB) {
@@ -122,7 +144,7 @@ JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int 
     static_assert(kGroups % kWarps == 0, "every warp the same channel groups");
     const int lane = tid % 32, warp = tid / 32;
     const int n_first = warp * 8 + lane % 8, kk_first = lane / 8;
-    const Io::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
+    const FilterIo::type* src = w + b_offset(group, tap, c0 + kk_first, n0 + n_first);
     const u32 dst = sb + n_first * 128u + kk_first * 4u;
 #pragma unroll
     for (int q = 0; q < kBK / 4; ++q) {
@@ -139,23 +161,39 @@ JF_DEVICE void load_b(const Io::type* w, u32 sb, int kt, i64 group, int n0, int 
 #pragma unroll
   for (int i = 0; i < kBChunks; ++i) {
     const int chunk = tid + i * kThreads;
-    int k, c;
-    u32 dst;
-    if (kFiltersKMajor) {  // K-major rows: one output channel, kBK input channels
-      const int row = chunk / 8, col = chunk % 8;
-      k = n0 + row, c = c0 + col * kChunkValues;
-      dst = sb + wgmma::swizzled_chunk(row, col);
-    } else {  // MN-major rows: one input channel, 64 output channels per block
-      const int krow = chunk / (kBN / 8), n8 = chunk % (kBN / 8);
-      k = n0 + n8 * 8, c = c0 + krow;
-      dst = sb + (n8 / 8) * kNBlockBytes + wgmma::swizzled_offset(krow, (n8 % 8) * 8);
-    }
+    const int k = n0 + (kFiltersKMajor ? chunk / 8 : chunk % (kBN / 8) * 8);
+    const int c = c0 + (kFiltersKMajor ? chunk % 8 * kChunkValues : chunk / (kBN / 8));
     const bool ok = k < KG;
-    mma::copy16_async(dst, ok ? w + b_offset(group, tap, c, k) : w, ok);
+    const FilterIo::type* src = ok ? w + b_offset(group, tap, c, k) : w;
+    if constexpr (kWideB) {  // 8 fp32 values: two copies, converted by convert_b
+      mma::copy16_async(raw_b_word(sb, i, 0, tid), src, ok);
+      mma::copy16_async(raw_b_word(sb, i, 1, tid), ok ? src + 4 : w, ok);
+    } else {
+      mma::copy16_async(sb + b_chunk_offset(chunk), src, ok);
+    }
   }
 }
 
-JF_DEVICE void load_stage(const Io::type* x, const Io::type* w, u32 stage,
+// kWideB: this thread's fp32 B chunks of stage `sb` (its own copies, landed), rounded to the
+// plan's dtype into their places in the B tile.
+JF_DEVICE void convert_b(u32 sb, int tid) {
+  if constexpr (kWideB) {
+#pragma unroll
+    for (int i = 0; i < kBChunks; ++i) {
+      float v[8];
+      *reinterpret_cast<float4*>(v) = mma::load16_shared(raw_b_word(sb, i, 0, tid));
+      *reinterpret_cast<float4*>(v + 4) = mma::load16_shared(raw_b_word(sb, i, 1, tid));
+      Vec16 packed;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        packed.v[j] = pack_halves(Io::store(v[2 * j]), Io::store(v[2 * j + 1]));
+      }
+      mma::store16_shared(sb + b_chunk_offset(tid + i * kThreads), packed);
+    }
+  }
+}
+
+JF_DEVICE void load_stage(const Io::type* x, const FilterIo::type* w, u32 stage,
                           const PixelRow (&rows)[kAChunks], int kt, i64 group, int n0, int tid) {
   load_a(x, stage, rows, kt, group * CG, tid);
   load_b(w, stage + kATileBytes, kt, group, n0, tid);
@@ -187,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
 
   const Epilogue ep(p);
   const Io::type* x = static_cast<const Io::type*>(p.x);
-  const Io::type* w = static_cast<const Io::type*>(p.w);
+  const FilterIo::type* w = static_cast<const FilterIo::type*>(p.w);
   PixelRow rows[kAChunks];
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
@@ -229,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   fill_terms<kBN, kThreads>(ep, terms, n0, group);
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
+    convert_b(stage(kt % kStages) + kATileBytes, tid);
     wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
     __syncthreads();                  // ... and everyone's; stage kt - 2 is no longer read
     wgmma::fence();

@@ -36,6 +36,15 @@ JF_DEVICE void store16_shared(u32 dst, const Vec16& v) {
                "r"(v.v[2]), "r"(v.v[3])
                : "memory");
 }
+// Loads 16 bytes from a (16-byte aligned) shared-memory address.
+JF_DEVICE float4 load16_shared(u32 src) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(src)
+               : "memory");
+  return v;
+}
 JF_DEVICE void commit_copies() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `Pending` committed groups of copies are still in flight.
 template <int Pending>

@@ -97,7 +97,7 @@ def _operands_read(group: Group) -> list[Value]:
     """The values the fused call for `group` reads as they are (lowering.emit): the
     convolution's input and filter, and the residual operand, when they are in the plan's
     dtype (otherwise the call converts them again, and XLA would rather fuse both steps)."""
-    values = list(group.conv.inputs[:2])
+    values = [group.conv.inputs[0], group.filter_value]
     values += [op.steps[0].operand.value for op in group.plan_ops if op.letter == "S"]
     values = [v for v in values if v.dtype == group.info.dtype]
     return values

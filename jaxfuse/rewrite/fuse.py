@@ -26,6 +26,7 @@ from ..find import FUSED
 from ..solvers import XLA, solver_mode
 from .choice import ChainCosts, choose_for_program
 from .converts import ConvertBatch, plan_convert_batch
+from .filters import widen_filters
 from .graph import Graph, Value, call_name
 from .lowering import build_plan, compile_plans, emit, plan_of
 from .matcher import Group, Skipped, find_groups
@@ -165,17 +166,23 @@ class Rewriter:
             groups = [group for group in groups if solvers[id(group)] != XLA]
             # Fused groups whose own plan chose XLA run the plan that forces the kernel.
             forced = {id(group): FUSED for group in groups if plan_of(group).solver == XLA}
+            # Kernels that read the program's float32 filters as they are (filters.py) run
+            # the fused kernel too, and their filters' conversions go.
+            groups, absorbed = widen_filters(g, groups, forced)
+            widened = [group for group in groups if group.filter_source is not None]
+            compile_plans(widened, FUSED, forced=True)
+            forced.update((id(group), FUSED) for group in widened)
             if self.recorder is not None:
                 self.recorder.scopes.append(("/".join(self._scope), groups, to_xla, skipped))
                 for group in groups:
                     self.recorder.solvers[id(group)] = plan_of(group, forced.get(id(group))).solver
         else:
-            forced = {}
+            forced, absorbed = {}, frozenset()
         # Conversions only the fused calls read become one op (one GPU kernel).
         batch = plan_convert_batch(g, groups) if g is not None else None
         if batch is not None and self.recorder is not None:
             self.recorder.converts.append(("/".join(self._scope), len(batch.values)))
-        consumed = set().union(*(group.tops for group in groups))
+        consumed = set().union(*(group.tops for group in groups), absorbed)
         if batch is not None:
             consumed |= batch.eqns
         emit_at = {group.emit_at: group for group in groups}

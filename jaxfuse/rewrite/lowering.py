@@ -68,11 +68,13 @@ def plan_of(group: Group, solver: str | None = None) -> FusionPlan:
     return build_plan(group.info, group.plan_ops, solver)[0]
 
 
-def compile_plans(groups: list[Group], solver: str | None = None) -> None:
+def compile_plans(groups: list[Group], solver: str | None = None, *,
+                  forced: bool = False) -> None:
     """Compiles the groups' plans with solver mode `solver`, concurrently: on GPUs each is a
     runtime-compiler run, and a network has dozens (the extension releases the GIL while
-    compiling; measurements take turns)."""
-    plans = {id(p): p for p in map(plan_of, groups)}
+    compiling; measurements take turns). `forced`: the plans that force `solver`
+    (``plan_of(group, solver)``) rather than the groups' own."""
+    plans = {id(p): p for p in (plan_of(g, solver if forced else None) for g in groups)}
     if len(plans) <= 1:
         for plan in plans.values():
             plan.compile(solver=solver)
@@ -90,10 +92,10 @@ def emit(group: Group, read: Reader, g: Graph, solver: str | None = None) -> jax
     if solver is not None and not plan.is_compiled:  # evicted from the memo since the choice
         plan.compile(solver=solver)
     x = jnp.asarray(read(group.conv.inputs[0])).astype(info.dtype)
-    w = jnp.asarray(read(group.conv.inputs[1]))
+    w = jnp.asarray(read(group.filter_value))
     if info.filter_perm is not None:
         w = jnp.transpose(w, info.filter_perm)
-    w = w.astype(info.dtype)
+    w = w.astype(info.w_desc.dtype)
     args = OperatorArgs().set_conv_forward(handles[0], w)
     out_desc = plan.output_desc
     channels = out_desc.dim("C")

@@ -67,6 +67,14 @@ class Group:
     out: Value
     tops: frozenset[int]  # the top-level equations the fused call replaces
     stop: str | None  # why the chain ends where it does
+    # The float32 value the call reads as its filter where the convolution's filter is its
+    # conversion (rewrite/filters.py); None: the convolution's own filter operand.
+    filter_source: Value | None = None
+
+    @property
+    def filter_value(self) -> Value:
+        """The value the fused call reads as its filter."""
+        return self.conv.inputs[1] if self.filter_source is None else self.filter_source
 
     @property
     def letters(self) -> str:

@@ -1,0 +1,102 @@
+"""Fused calls that read a model's float32 filters as they are.
+
+Flax keeps parameters in ``param_dtype`` (float32) and converts each filter to ``dtype``
+(bfloat16) on every call. Batched (:mod:`.converts`), those conversions are still one pass
+over every filter of the network, read in float32 and written in bfloat16: 46 us of a 380 us
+ResNet-50 forward at batch 1 on an H100 (2026-11-25), where the convolutions read their
+filters from memory once and reuse them over few pixels. ``conv_wgmma`` instead reads float32
+filters itself and rounds them as they load (``PlanSpec::wide_filters``), so a group whose
+filter is such a conversion can take the conversion's source and drop the conversion.
+
+A group reads its filter's float32 source when
+
+- the filter is a top-level ``convert_element_type`` from float32 to the plan's dtype that
+  only fused groups read, each of which qualifies;
+- the group's kernel is a Hopper one (``conv_wgmma`` or ``conv_tma``) on a float16/bfloat16
+  NHWC plan with HWIO or OHWI filters, which ``conv_wgmma`` also runs with float32 filters;
+- its output has at most :data:`WIDE_FILTER_MAX_PIXELS` pixels: there each filter value is
+  used by few output pixels, so the conversion pass is a large share of the work; large
+  outputs keep the batched conversion and the kernel autotuned for 16-bit filters (the
+  warp-specialized ``conv_tma`` among them).
+
+A rule from measurements of whole models, like :func:`jaxfuse.solvers.kernel_filters`; the
+wide plan runs the fused kernel (``solver="fused"``). ``JAXFUSE_WIDE_FILTERS=0`` withdraws it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..descriptors import TensorDesc
+from .graph import Graph, Value
+from .lowering import plan_of
+from .matcher import Group
+
+__all__ = ["WIDE_FILTER_MAX_PIXELS", "widen_filters"]
+
+WIDE_FILTER_MAX_PIXELS = 4096
+_HOPPER_KERNELS = ("conv_wgmma", "conv_tma")
+
+
+def widen_filters(g: Graph, groups: list[Group], solvers: dict[int, str | None]
+                  ) -> tuple[list[Group], frozenset[int]]:
+    """`groups` with those that qualify (see the module docstring) reading their filter's
+    float32 source, and the top-level conversions no longer needed. `solvers` gives the
+    solver each group's plan was compiled with (None: the rewrite's mode)."""
+    if os.environ.get("JAXFUSE_WIDE_FILTERS") == "0":
+        return groups, frozenset()
+    readers: dict[int, list[Group]] = {}
+    for group in groups:
+        readers.setdefault(id(group.conv.inputs[1]), []).append(group)
+    widened: dict[int, Group] = {}
+    absorbed = set()
+    for group in groups:
+        if id(group) in widened:
+            continue
+        value = group.conv.inputs[1]
+        source = _float32_source(g, value)
+        users = readers[id(value)]
+        if source is None or not _only_fused_users(value, users):
+            continue
+        if not all(_qualifies(u, solvers.get(id(u))) for u in users):
+            continue
+        for u in users:
+            info = dataclasses.replace(
+                u.info, w_desc=TensorDesc(u.info.w_desc.shape, np.float32, u.info.w_desc.layout))
+            widened[id(u)] = dataclasses.replace(u, info=info, filter_source=source)
+        absorbed.add(value.producer.top)
+    return [widened.get(id(group), group) for group in groups], frozenset(absorbed)
+
+
+def _float32_source(g: Graph, value: Value) -> Value | None:
+    """The float32 value `value` is a top-level conversion of, or None."""
+    node = value.producer
+    if node is None or node.name != "convert_element_type" or \
+            g.jaxpr.eqns[node.top] is not node.eqn:  # inside a wrapped call: not replaceable
+        return None
+    source = node.inputs[0]
+    if source.dtype != np.float32 or source.literal is not None or value.is_output:
+        return None
+    if node.params.get("sharding") is not None:
+        return None
+    return source
+
+
+def _only_fused_users(value: Value, users: list[Group]) -> bool:
+    """Whether every use of `value` is the filter operand of one of `users`."""
+    convs = {id(u.conv) for u in users}
+    return bool(value.users) and all(id(user) in convs for user in value.users)
+
+
+def _qualifies(group: Group, solver: str | None) -> bool:
+    plan = plan_of(group, solver)
+    sig = plan.signature
+    c = sig.conv
+    if c is None or sig.dtype == np.float32 or sig.layout != "NHWC" or c.filter_layout == "OIHW":
+        return False
+    _, p, q = sig.output_chw
+    return (plan.kernel_info.get("solver") in _HOPPER_KERNELS and
+            sig.batch * p * q <= WIDE_FILTER_MAX_PIXELS)
