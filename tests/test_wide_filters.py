@@ -124,8 +124,8 @@ def test_the_plan_text_names_filter_dtypes_strictly() -> None:
 
 
 def test_arguments_name_a_wrong_filter_dtype() -> None:
-    plan, (conv, _, _) = _plan((1, 5, 5, 8), "NHWC", (3, 3, 8, 8), "HWIO", "bfloat16",
-                               "float32", "fused", jax.devices("cpu")[0])
+    _, (conv, _, _) = _plan((1, 5, 5, 8), "NHWC", (3, 3, 8, 8), "HWIO", "bfloat16",
+                            "float32", "fused", jax.devices("cpu")[0])
     with pytest.raises(TypeError, match="w has dtype bfloat16, expected float32"):
         jf.OperatorArgs().set_conv_forward(conv, jnp.ones((3, 3, 8, 8), jnp.bfloat16))
 
