@@ -954,9 +954,6 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
   if (!spec.has_conv) {
     const int lanes = ChunkValues(spec.dtype);
     const bool fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
-    const unsigned table_bytes = !fixed_channels && spec.c <= kMaxTableChannels
-                                     ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
-                                     : 0;
     // One vector per thread for small tensors; at most 8 blocks per multiprocessor (each then
     // streams several vectors, with kUnroll of them in flight).
     const unsigned grid = std::min(GridFor(elements / lanes + 1, 256, device),
@@ -967,6 +964,11 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     int64_t threads = int64_t{grid} * 256;
     if (fixed_channels) threads -= threads % (spec.c / lanes);
     const bool single = threads >= elements / lanes;
+    // pointwise.cuh: kChannelTable.
+    const unsigned table_bytes =
+        (!fixed_channels || single) && spec.c <= kMaxTableChannels
+            ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
+            : 0;
     out.solver = "pointwise";
     out.source = TranslationUnit(
         spec, std::string("constexpr bool kSingleVector = ") + (single ? "true" : "false") + ";\n",

@@ -19,7 +19,11 @@ constexpr int kLanes = sizeof(Vec16) / sizeof(Io::type);
 // kernel (its stride is a multiple of C / kLanes), so their terms live in registers.
 constexpr bool kFixedChannels = kNHWC && C % kLanes == 0;
 constexpr i64 kVectorsPerPixel = C / kLanes;
-constexpr bool kChannelTable = !kFixedChannels && C <= kMaxTableChannels;
+// The block's table of per-channel terms: where channels vary within a thread's vectors, and
+// where a thread has a single vector (kSingleVector), whose kLanes channels it would otherwise
+// fold alone from 4 kLanes global loads: the block folds each channel once (one per thread),
+// and its threads read their channels' terms from shared memory (batch 1 is latency bound).
+constexpr bool kChannelTable = (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels;
 
 // Channel of the element at flat index i.
 JF_DEVICE i64 input_channel(i64 i) { return kNHWC ? i % C : (i / (H * W)) % C; }
@@ -77,7 +81,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
     if (global_thread_index() >= stride) return;  // the few threads past a whole multiple
     const i64 c0 = global_thread_index() % kVectorsPerPixel * kLanes;
 #pragma unroll
-    for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = ep.channel(c0 + j);
+    for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = terms(c0 + j);
   }
   // The chain on vector v, whose values `in` holds, stored to y.
   auto run = [&](const Vec16& in, i64 v) {
