@@ -429,5 +429,6 @@ def test_float32_filters_compile(case: Case, arch: str) -> None:
     outs = _compile_every_variant(case, arch)
     converts = arch == "sm_90" and case.layout == "NHWC" and case.filter_layout != "OIHW"
     assert outs[0]["solver"] == ("conv_wgmma" if converts else "conv_direct")
-    for out in outs:
-        assert out["entries"][0]["shared_bytes"] <= 227 * 1024
+    for out in outs:  # dynamic shared memory and the static table of terms (20 bytes each)
+        bn = int(out["tile"].split()[0].split("x")[1]) if converts else 0
+        assert out["entries"][0]["shared_bytes"] + 20 * bn <= 227 * 1024, out["tile"]

@@ -222,3 +222,24 @@ def test_the_rule_keeps_large_outputs_and_other_kernels_16_bit(monkeypatch) -> N
     monkeypatch.setattr(filters_module, "WIDE_FILTER_MAX_PIXELS", 80)  # the outputs have 81
     report = jf.fusion_report(jf.fuse(_apply, solver="fused"), *args)
     assert "filter_dtype=dtype('float32')" not in str(report.jaxpr)
+
+
+def test_a_wide_plan_that_fails_keeps_the_conversion(device, monkeypatch) -> None:
+    _widen_everywhere(monkeypatch)
+    compile_plan = jf.FusionPlan.compile
+
+    def refuse_wide(plan: jf.FusionPlan, *args: Any, **kwargs: Any) -> jf.FusionPlan:
+        if plan.signature.filter_dtype == np.float32:
+            raise jf.FusionError("refused for this test")
+        return compile_plan(plan, *args, **kwargs)
+
+    monkeypatch.setattr(jf.FusionPlan, "compile", refuse_wide)
+    args = _args(device, seed=4)
+    with jax.default_device(device):
+        report = jf.fusion_report(jf.fuse(_apply, solver="fused"), *args)
+        got = jax.jit(jf.fuse(_apply, solver="fused"))(*args)
+    assert report.fused_calls == 3 and report.converts_batched == 3
+    assert "filter_dtype=dtype('float32')" not in str(report.jaxpr)
+    want = jax.jit(_apply)(*args)
+    diff = np.asarray(got, np.float64) - np.asarray(want, np.float64)
+    assert np.linalg.norm(diff) <= 2.5e-2 * np.linalg.norm(np.asarray(want, np.float64))

@@ -298,6 +298,7 @@ struct WgmmaTile {
     return std::max(stages * ((bm + bn) * 128 + (wide_b ? bn * 256 : 0)), bm * (bn + 8) * 4) +
            1024;
   }
+  int StaticSmemBytes() const { return bn * 20; }  // the epilogue's terms (20 bytes each)
 };
 
 // Values of the plan's dtype in a 128-byte k-tile row of the Hopper kernels: 64 16-bit ones,
@@ -321,7 +322,9 @@ bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
 WgmmaTile MakeWgmmaTile(int bm, int bn, int stages, bool wide_b) {
   WgmmaTile tile{bm, bn, stages, 1};
   tile.wide_b = wide_b;
-  while (tile.stages > 3 && tile.SmemBytes() > 227 * 1024) --tile.stages;
+  while (tile.stages > 3 && tile.SmemBytes() + tile.StaticSmemBytes() > 227 * 1024) {
+    --tile.stages;
+  }
   const int per_sm = std::max(1, 227 * 1024 / tile.SmemBytes());
   const int regs_per_thread = bn / 2 + 56;  // accumulators + addressing and epilogue
   tile.min_blocks = std::max(1, std::min({per_sm, 65536 / (regs_per_thread * tile.Threads()), 4}));
@@ -383,7 +386,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages && u.splits == t.splits;
     });
     if (!seen && t.bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64) &&
-        t.SmemBytes() <= std::max(device.max_smem_per_block, 48 * 1024)) {
+        t.SmemBytes() + t.StaticSmemBytes() <= std::max(device.max_smem_per_block, 48 * 1024)) {
       all.push_back(t);
     }
   }

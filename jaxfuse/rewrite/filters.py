@@ -25,17 +25,24 @@ wide plan runs the fused kernel (``solver="fused"``). ``JAXFUSE_WIDE_FILTERS=0``
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import logging
 import os
+from typing import Any
 
 import numpy as np
 
 from ..descriptors import TensorDesc
+from ..errors import FusionError
+from ..find import FUSED
 from .graph import Graph, Value
 from .lowering import plan_of
 from .matcher import Group
 
 __all__ = ["WIDE_FILTER_MAX_PIXELS", "widen_filters"]
+
+logger = logging.getLogger("jaxfuse")
 
 WIDE_FILTER_MAX_PIXELS = 4096
 _HOPPER_KERNELS = ("conv_wgmma", "conv_tma")
@@ -45,30 +52,55 @@ def widen_filters(g: Graph, groups: list[Group], solvers: dict[int, str | None]
                   ) -> tuple[list[Group], frozenset[int]]:
     """`groups` with those that qualify (see the module docstring) reading their filter's
     float32 source, and the top-level conversions no longer needed. `solvers` gives the
-    solver each group's plan was compiled with (None: the rewrite's mode)."""
+    solver each group's plan was compiled with (None: the rewrite's mode). The wide plans are
+    compiled here, forcing the fused kernel; a conversion whose readers' wide plans do not all
+    compile stays, with its readers as they were (never an error)."""
     if os.environ.get("JAXFUSE_WIDE_FILTERS") == "0":
         return groups, frozenset()
     readers: dict[int, list[Group]] = {}
     for group in groups:
         readers.setdefault(id(group.conv.inputs[1]), []).append(group)
+    clusters = []  # (the conversion's equation, its readers widened)
+    for users in readers.values():
+        value = users[0].conv.inputs[1]
+        source = _float32_source(g, value)
+        if source is None or not _only_fused_users(value, users) or \
+                not all(_qualifies(u, solvers.get(id(u))) for u in users):
+            continue
+        wide = []
+        for u in users:
+            desc = TensorDesc(u.info.w_desc.shape, np.float32, u.info.w_desc.layout)
+            info = dataclasses.replace(u.info, w_desc=desc)
+            wide.append(dataclasses.replace(u, info=info, filter_source=source))
+        clusters.append((value.producer.top, users, wide))
+    failed = _compile([w for _, _, wide in clusters for w in wide])
     widened: dict[int, Group] = {}
     absorbed = set()
-    for group in groups:
-        if id(group) in widened:
+    for top, users, wide in clusters:
+        if any(id(w) in failed for w in wide):
             continue
-        value = group.conv.inputs[1]
-        source = _float32_source(g, value)
-        users = readers[id(value)]
-        if source is None or not _only_fused_users(value, users):
-            continue
-        if not all(_qualifies(u, solvers.get(id(u))) for u in users):
-            continue
-        for u in users:
-            info = dataclasses.replace(
-                u.info, w_desc=TensorDesc(u.info.w_desc.shape, np.float32, u.info.w_desc.layout))
-            widened[id(u)] = dataclasses.replace(u, info=info, filter_source=source)
-        absorbed.add(value.producer.top)
+        widened.update((id(u), w) for u, w in zip(users, wide))
+        absorbed.add(top)
     return [widened.get(id(group), group) for group in groups], frozenset(absorbed)
+
+
+def _compile(groups: list[Group]) -> set[int]:
+    """Compiles the groups' plans forcing the fused kernel, concurrently (as compile_plans
+    does); the ids of the groups whose plan failed."""
+    plans = {id(plan_of(group, FUSED)): plan_of(group, FUSED) for group in groups}
+
+    def compile_one(plan: Any) -> str | None:
+        try:
+            plan.compile(solver=FUSED)
+        except FusionError as err:
+            logger.debug("jaxfuse: float32 filters for %s: %s", plan.signature.describe(), err)
+            return str(err)
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(plans), os.cpu_count() or 1))) \
+            as pool:
+        errors = dict(zip(plans, pool.map(compile_one, plans.values())))
+    return {id(group) for group in groups if errors[id(plan_of(group, FUSED))] is not None}
 
 
 def _float32_source(g: Graph, value: Value) -> Value | None:

@@ -169,9 +169,8 @@ class Rewriter:
             # Kernels that read the program's float32 filters as they are (filters.py) run
             # the fused kernel too, and their filters' conversions go.
             groups, absorbed = widen_filters(g, groups, forced)
-            widened = [group for group in groups if group.filter_source is not None]
-            compile_plans(widened, FUSED, forced=True)
-            forced.update((id(group), FUSED) for group in widened)
+            forced.update((id(group), FUSED) for group in groups
+                          if group.filter_source is not None)
             if self.recorder is not None:
                 self.recorder.scopes.append(("/".join(self._scope), groups, to_xla, skipped))
                 for group in groups:
