@@ -68,6 +68,30 @@ def test_autotuning_runs_once_and_is_remembered(tmp_path) -> None:
     assert second["disk_hits"] == 1  # the tuned choice came from disk too: nothing was timed
 
 
+# Autotuning a plan whose filters are float32 (its timing runs allocate them as the plan reads
+# them: they were once allocated in the plan's 16-bit dtype, and the kernels read past them).
+_WIDE_TUNING_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case
+    NHWC = dict(layout="NHWC", filter_layout="HWIO", filter_dtype="float32")
+    for case in [Case(ops="CBNA", c=512, k=512, n=1, h=7, w=7, dtype="bfloat16", **NHWC),
+                 Case(ops="CBNA", c=64, k=256, n=1, h=56, w=56, r=1, s=1, strides=(2, 2),
+                      padding="VALID", dtype="float16", **NHWC)]:
+        run_case(case, jax.devices("gpu")[0], solver="fused")
+    print("ok")
+""")
+
+
+def test_autotuning_plans_with_float32_filters(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_AUTOTUNE": "1"}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           _WIDE_TUNING_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
 # Shapes whose variants include every kind of tile (wide, deep, split-K over a cluster) and
 # partial tiles; each variant is forced in turn, so none is only trusted to autotuning.
 _VARIANTS_CHILD = textwrap.dedent("""

@@ -99,7 +99,7 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
   p.x = buffers.Random(spec.input_elements(), spec.dtype, -1.0f, 1.0f, &rng);
   if (spec.has_conv) {
     const float scale = 1.0f / std::sqrt(float(spec.filter_elements() / spec.out_c));
-    p.w = buffers.Random(spec.filter_elements(), spec.dtype, -scale, scale, &rng);
+    p.w = buffers.Random(spec.filter_elements(), spec.filter_dtype, -scale, scale, &rng);
   }
   const int64_t params = spec.bn_param_elements();
   p.bias = static_cast<const float*>(buffers.Random(spec.out_c, DType::kF32, -1, 1, &rng));
