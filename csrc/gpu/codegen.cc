@@ -375,7 +375,8 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
     int splits = 1;
     while (splits < 8 && tiles * splits * 2 <= 2 * sms && k_tiles >= splits * 2 * 4) splits *= 2;
     if (splits > 1 && bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64)) {
-      WgmmaTile t = MakeWgmmaTile(64, bn, 4, wide);
+      // (float32 filters: deeper, as their stages hold twice the bytes of B in flight)
+      WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide);
       t.splits = splits;
       candidates.insert(candidates.begin(), t);
     }
@@ -393,9 +394,18 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
   return all;
 }
 
+// conv_wgmma prefetches its later k-tiles' filter rows into L2 for small outputs
+// (conv_wgmma.cuh: kPrefetchB) unless JAXFUSE_PREFETCH_FILTERS=0.
+bool FilterPrefetchEnabled() {
+  const char* value = std::getenv("JAXFUSE_PREFETCH_FILTERS");
+  return value == nullptr || std::string(value) != "0";
+}
+
 std::string WgmmaConstants(const WgmmaTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
+    << "constexpr bool kPrefetchAllowed = " << (FilterPrefetchEnabled() ? "true" : "false")
+    << ";\n"
     << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ", kSplits = " << t.splits << ";\n"
     << "}  // namespace plan\n}  // namespace jaxfuse\n";
