@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filter-layout", nargs="+", default=[None],
                         choices=["HWIO", "OHWI", "OIHW"],
                         help="filter layouts (default: HWIO for NHWC, OIHW for NCHW)")
+    parser.add_argument("--filter-dtype", default=None, choices=["float32"],
+                        help="keep the filters in float32 (converted for the convolution, as "
+                        "a Flax model's parameters are); default: the data dtype")
     parser.add_argument("--ops", default="CBNA", help="chain for conv layers (NA layers: NA; "
                         "layers without an activation drop the A)")
     parser.add_argument("--sets", type=int, default=8, help="distinct input sets per jit")
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device.device_kind} ({device.platform}); copy "
           f"{ceilings.copy_bandwidth / 1e12:.2f} TB/s; matmul TFLOP/s " +
           ", ".join(f"{k} {v / 1e12:.0f}" for k, v in ceilings.matmul.items()), file=sys.stderr)
-    cases = [BenchCase.for_layer(layer, n, dtype, layout, args.ops, filters)
+    cases = [BenchCase.for_layer(layer, n, dtype, layout, args.ops, filters, args.filter_dtype)
              for suite in args.suite for layer in SUITES[suite]
              if args.layers is None or re.search(args.layers, layer.name)
              for n in args.batch for dtype in args.dtype for layout in args.layout

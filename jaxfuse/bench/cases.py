@@ -29,17 +29,23 @@ class BenchCase:
     layout: str
     chain: str  # "CBNA", "CBA", "NA", ... (the layer may end it before the activation)
     filters: str | None = None  # the filter layout; None: HWIO for NHWC, OIHW for NCHW
+    # "float32": the filters are kept in float32 and converted to `dtype` for the
+    # convolution (a Flax model's parameters): the fused plan reads them as they are, XLA's
+    # composition converts them first. None: filters in `dtype`.
+    filter_dtype: str | None = None
 
     @classmethod
     def for_layer(cls, layer: Layer | str, n: int, dtype: str, layout: str, chain: str,
-                  filters: str | None = None) -> BenchCase:
+                  filters: str | None = None, filter_dtype: str | None = None) -> BenchCase:
         """The case of `layer` (or the suites' layer of that name) running `chain`; layers
         without a convolution run NA on their input as it is."""
         if isinstance(layer, str):
             layer = next(L for suite in SUITES.values() for L in suite if L.name == layer)
         if not layer.has_conv:
             return cls(layer, n, dtype, layout, "NA")
-        return cls(layer, n, dtype, layout, chain, filters)
+        if filter_dtype is not None and np.dtype(filter_dtype) == np.dtype(dtype):
+            filter_dtype = None
+        return cls(layer, n, dtype, layout, chain, filters, filter_dtype)
 
     @property
     def ops(self) -> str:
@@ -65,6 +71,8 @@ class BenchCase:
 
     def label(self) -> str:
         filters = f"/{self.filters}" if self.filters is not None else ""
+        if self.filter_dtype is not None:
+            filters += f" w:{self.filter_dtype}"
         return f"{self.layer.name} N={self.n} {self.dtype} {self.layout}{filters} {self.ops}"
 
     def plan(self, device: Any, solver: str = "fused") -> tuple[FusionPlan, dict[str, Any]]:
@@ -75,7 +83,8 @@ class BenchCase:
             if letter == "C":
                 conv = ConvDesc(L.stride, L.pad, 1, L.groups)
                 ops["C"] = plan.add_conv_forward(
-                    conv, TensorDesc(self.filter_shape(), self.dtype, self.filter_layout))
+                    conv, TensorDesc(self.filter_shape(), self.filter_dtype or self.dtype,
+                                     self.filter_layout))
             elif letter == "B":
                 ops["B"] = plan.add_bias_forward(TensorDesc((L.k,), "float32"))
             elif letter == "N":
@@ -102,7 +111,8 @@ class BenchCase:
             var = rng.uniform(0.5, 2.0, L.k).astype(np.float32)
             z = (rng.standard_normal(self.shape(L.k, L.out_hw()), np.float32) if "S" in self.ops
                  else np.zeros(1, np.float32))
-            arrays = (x.astype(self.dtype), w.astype(self.dtype), b, scale, shift, mean, var,
+            arrays = (x.astype(self.dtype), w.astype(self.filter_dtype or self.dtype), b, scale,
+                      shift, mean, var,
                       z.astype(self.dtype))
             sets.append(tuple(jax.device_put(a, device) for a in arrays))
         return sets
@@ -139,7 +149,7 @@ class BenchCase:
             for letter in self.ops:
                 if letter == "C":
                     y = lax.conv_general_dilated(
-                        y, w, (L.stride, L.stride), [(L.pad, L.pad)] * 2,
+                        y, w.astype(dt), (L.stride, L.stride), [(L.pad, L.pad)] * 2,
                         dimension_numbers=(self.layout, self.filter_layout, self.layout),
                         feature_group_count=L.groups)
                 elif letter == "B":
