@@ -137,8 +137,9 @@ class _Everything:
 
 
 def _widen_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every qualifying chain is widened whatever its kernel (this test's devices may have no
-    Hopper kernel); the kernels' own choice of filters is tested above."""
+    """The rewrite on (JAXFUSE_WIDE_FILTERS=1), widening every qualifying chain whatever its
+    kernel (this test's devices may have no Hopper kernel)."""
+    monkeypatch.setenv("JAXFUSE_WIDE_FILTERS", "1")
     monkeypatch.setattr(filters_module, "_HOPPER_KERNELS", _Everything())
 
 
@@ -171,9 +172,7 @@ def test_fused_calls_read_float32_filters_and_drop_the_conversions(device,
                                                                    monkeypatch) -> None:
     args = _args(device)
     with jax.default_device(device):
-        monkeypatch.setenv("JAXFUSE_WIDE_FILTERS", "0")
         kept = jax.jit(jf.fuse(_apply, solver="fused"))(*args)
-        monkeypatch.delenv("JAXFUSE_WIDE_FILTERS")
         _widen_everywhere(monkeypatch)
         report = jf.fusion_report(jf.fuse(_apply, solver="fused"), *args)
         assert report.fused_calls == 3 and report.converts_batched == 0
@@ -216,6 +215,11 @@ def test_a_conversion_needed_elsewhere_stays(device, monkeypatch) -> None:
 
 def test_the_rule_keeps_large_outputs_and_other_kernels_16_bit(monkeypatch) -> None:
     args = _args(jax.devices("cpu")[0], seed=3)
+    monkeypatch.setattr(filters_module, "_HOPPER_KERNELS", _Everything())
+    report = jf.fusion_report(jf.fuse(_apply, solver="fused"), *args)  # off by default
+    assert "filter_dtype=dtype('float32')" not in str(report.jaxpr)
+    monkeypatch.setenv("JAXFUSE_WIDE_FILTERS", "1")
+    monkeypatch.setattr(filters_module, "_HOPPER_KERNELS", ("conv_wgmma", "conv_tma"))
     report = jf.fusion_report(jf.fuse(_apply, solver="fused"), *args)  # the CPU kernel
     assert "filter_dtype=dtype('float32')" not in str(report.jaxpr)
     _widen_everywhere(monkeypatch)

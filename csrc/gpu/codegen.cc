@@ -394,18 +394,9 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
   return all;
 }
 
-// conv_wgmma prefetches its later k-tiles' filter rows into L2 for small outputs
-// (conv_wgmma.cuh: kPrefetchB) unless JAXFUSE_PREFETCH_FILTERS=0.
-bool FilterPrefetchEnabled() {
-  const char* value = std::getenv("JAXFUSE_PREFETCH_FILTERS");
-  return value == nullptr || std::string(value) != "0";
-}
-
 std::string WgmmaConstants(const WgmmaTile& t) {
   Text s;
   s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
-    << "constexpr bool kPrefetchAllowed = " << (FilterPrefetchEnabled() ? "true" : "false")
-    << ";\n"
     << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ", kSplits = " << t.splits << ";\n"
     << "}  // namespace plan\n}  // namespace jaxfuse\n";

@@ -26,18 +26,13 @@
 // stage's barrier: the copy pipeline keeps its depth, no barrier is added, and no conversion
 // pass over the filters runs before the call.
 //
-// Few output tiles (kPrefetchB: small batches): every filter value is read once, from DRAM,
-// by a few CTAs, and a pipeline of kStages - 2 k-tiles does not cover DRAM's latency. Each CTA
-// first asks L2 for the filter rows of all its later k-tiles (bulk prefetches, a few per
-// thread), so its copies then wait on L2.
-//
 // Split-K (kSplits > 1, for outputs too small to occupy the device): the kSplits CTAs of a
 // thread-block cluster each reduce a slice of the k-tiles; their fp32 tiles are then summed
 // through distributed shared memory, each CTA summing and writing kBM / kSplits of the rows. No
 // global workspace, no atomics, so it is safe in CUDA graphs and concurrent streams.
 //
 // From the code generator (namespace plan): kBM (64 or 128), kBN (64, 128 or 256), kStages,
-// kMinBlocks, kSmemBytes, kSplits, kPrefetchAllowed; and JF_CLUSTER_DIMS, the cluster attribute (empty unless
+// kMinBlocks, kSmemBytes, kSplits; and JF_CLUSTER_DIMS, the cluster attribute (empty unless
 // split). Requirements it checks: CG % 64 == 0, KG % 8 == 0; the host falls back
 // to the direct kernel for buffers that are not 16-byte aligned.
 #pragma once
@@ -179,27 +174,6 @@ JF_DEVICE void load_b(const FilterIo::type* w, u32 sb, int kt, i64 group, int n0
   }
 }
 
-constexpr bool kPrefetchB = kPrefetchAllowed && (M + kBM - 1) / kBM <= 8;
-
-// kPrefetchB: the filter rows of k-tiles [kt_first, kt_end) into L2.
-JF_DEVICE void prefetch_b(const FilterIo::type* w, int kt_first, int kt_end, i64 group, int n0,
-                          int tid) {
-  if constexpr (kPrefetchB) {
-    constexpr int kRows = kFiltersKMajor ? kBN : kBK;  // one output channel or one input one
-    const int cols = kFiltersKMajor ? kBK : min(kBN, static_cast<int>(KG) - n0);
-    for (int i = tid; i < (kt_end - kt_first) * kRows; i += kThreads) {
-      const int kk0 = (kt_first + i / kRows) * kBK, row = i % kRows;
-      const int tap = kk0 / static_cast<int>(CG), c0 = kk0 % static_cast<int>(CG);
-      if (kFiltersKMajor && n0 + row >= KG) continue;
-      const i64 offset = kFiltersKMajor ? b_offset(group, tap, c0, n0 + row)
-                                        : b_offset(group, tap, c0 + row, n0);
-      const u32 bytes = static_cast<u32>(cols * sizeof(FilterIo::type));
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w + offset), "r"(bytes)
-                   : "memory");
-    }
-  }
-}
-
 // kWideB: this thread's fp32 B chunks of stage `sb` (its own copies, landed), rounded to the
 // plan's dtype into their places in the B tile.
 JF_DEVICE void convert_b(u32 sb, int tid) {
@@ -289,7 +263,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   if (kGatherA && kAhead < k_tiles) {
     gather_a(x, rows[0], taps, kt_begin + kAhead, group * CG, tid, staged);
   }
-  prefetch_b(w, kt_begin + kAhead, kt_end, group, n0, tid);
   // The epilogue's per-channel terms, loaded while the first copies are in flight.
   fill_terms<kBN, kThreads>(ep, terms, n0, group);
   for (int kt = 0; kt < k_tiles; ++kt) {
