@@ -4,8 +4,10 @@ For every case it prints per-op times (wall: K distinct inputs in one jit, media
 device: GPU kernel time from a profiler trace) of XLA's composition, of jaxfuse's kernel forced
 (``solver="fused"``: what the kernels achieve) and of the plan in auto mode (what users get:
 jaxfuse's own measured choice between the two), both ratios XLA / jaxfuse, the kernel's
-achieved TFLOP/s, and the roofline floor from ceilings measured in the same run. It checks the
-results against XLA's on the same inputs, writes JSON and plots the ratios.
+achieved TFLOP/s, and the roofline floor from ceilings measured in the same run; on GPUs
+also the kernel's time as a percentage of a copy of the case's own minimal bytes ("% copy":
+what a memory-bound kernel of that size can reach). It checks the results against XLA's on
+the same inputs, writes JSON and plots the ratios.
 
     python -m jaxfuse.bench --suite resnet50 --batch 1 64 --dtype float16 --layout NHWC
 """
@@ -98,6 +100,18 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     if best:
         row.update(tflops=flops / best / 1e6, gbs=nbytes / best / 1e3,
                    fused_over_floor=best * 1e-6 / floor)
+    if device_timing and best:
+        # A copy of the case's own minimal bytes (half read, half written), timed as the case
+        # is: the bandwidth a memory-bound kernel of this size can reach, launch and ramp
+        # included, where the 1 GiB copy of the ceilings cannot be (small layers).
+        copy = batched(lambda a: a * 1.5)
+        key = jax.random.key(1)
+        sets = [(jax.device_put(jax.random.normal(jax.random.fold_in(key, i),
+                                                  (max(1, nbytes // 8),)), device),)
+                for i in range(len(args))]
+        seconds = device_time_per_op(copy, sets)
+        if seconds:
+            row.update(copy_device_us=seconds * 1e6, fused_pct_of_copy=100 * seconds * 1e6 / best)
     return row
 
 
@@ -114,7 +128,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     kind = _kind(rows)
     header = (f"{'case':<46} {'fused kernel':<26} {'fused us':>9} {'xla us':>9} "
               f"{'forced x':>8} {'auto x':>7} {'auto':<6} {'TFLOP/s':>8} {'floor us':>8} "
-              f"{'err':>8}")
+              f"{'err':>8} {'% copy':>6}")
     print(header, file=out)
     nan = float("nan")
     for r in rows:
@@ -124,7 +138,8 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         print(f"{r['case']:<46} {r.get('fused_solver', 'FAILED'):<26} {fused:9.1f} {xla:9.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
               f"{auto:<6} {r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
-              f"{r.get('fused_rel_error_vs_xla', nan):8.1e}", file=out)
+              f"{r.get('fused_rel_error_vs_xla', nan):8.1e} "
+              f"{r.get('fused_pct_of_copy', nan):6.0f}", file=out)
     groups: dict[tuple[Any, ...], dict[str, list[float]]] = {}
     for r in rows:
         group = groups.setdefault((r["n"], r["dtype"], r["layout"], r["ops"]),
