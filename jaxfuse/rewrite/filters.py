@@ -26,10 +26,11 @@ Off unless ``JAXFUSE_WIDE_FILTERS=1``: measured on an H200 (2026-11-26, ``python
 jaxfuse.bench --suite resnet50 --batch 1 8 --dtype bfloat16 --filter-dtype float32`` against
 the same without the flag), the wide kernel ran ResNet-50's layers at 1.2-3x the time of the
 16-bit one (batch 1: 3x3/256 16.3 against 8.3 us; batch 8: 40.8 against 13.2 us), more than
-the conversion it saves (about 3 us for the 3x3/512 filters): each stage also holds B's
-float32 copy, so a 64x64 tile fits once per multiprocessor instead of three times, and the
-conversion sits between a stage's arrival and its multiply. The whole ResNet-50 at batch 1
-took 508 us of device time against 353 us with the batched conversion.
+the conversion it saves (about 3 us for the 3x3/512 filters). Not profiled; what differs from
+the 16-bit kernel is that each stage also holds B's float32 copy, so a 64x64 tile fits once
+per multiprocessor instead of three times, and that each k-tile's conversion sits between the
+stage's arrival and its multiply. The whole ResNet-50 at batch 1 took 508 us of device time
+against 353 us with the batched conversion.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def widen_filters(g: Graph, groups: list[Group], solvers: dict[int, str | None]
 
 
 def _compile(groups: list[Group]) -> set[int]:
-    """Compiles the groups' plans forcing the fused kernel, concurrently (as compile_plans
-    does); the ids of the groups whose plan failed."""
+    """Compiles the groups' plans forcing the fused kernel, concurrently (as
+    lowering.compile_plans does, which raises instead); the ids of the groups whose plan
+    failed."""
     plans = {id(plan_of(group, FUSED)): plan_of(group, FUSED) for group in groups}
 
     def compile_one(plan: Any) -> str | None:

@@ -68,13 +68,11 @@ def plan_of(group: Group, solver: str | None = None) -> FusionPlan:
     return build_plan(group.info, group.plan_ops, solver)[0]
 
 
-def compile_plans(groups: list[Group], solver: str | None = None, *,
-                  forced: bool = False) -> None:
+def compile_plans(groups: list[Group], solver: str | None = None) -> None:
     """Compiles the groups' plans with solver mode `solver`, concurrently: on GPUs each is a
     runtime-compiler run, and a network has dozens (the extension releases the GIL while
-    compiling; measurements take turns). `forced`: the plans that force `solver`
-    (``plan_of(group, solver)``) rather than the groups' own."""
-    plans = {id(p): p for p in (plan_of(g, solver if forced else None) for g in groups)}
+    compiling; measurements take turns)."""
+    plans = {id(p): p for p in map(plan_of, groups)}
     if len(plans) <= 1:
         for plan in plans.values():
             plan.compile(solver=solver)
