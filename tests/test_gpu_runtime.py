@@ -166,6 +166,9 @@ _VARIANTS_CHILD = textwrap.dedent("""
                       dtype="float16", **NHWC),
                  Case(ops="CBNA", c=96, k=96, groups=96, n=8, h=112, w=112, strides=(2, 2),
                       activation="clipped_relu", dtype="bfloat16", **NHWC),
+                 # 64 output channels, [kk][k] filters: variants 5 and 6 are conv_tma's tiles
+                 # with the operands swapped (256 and 128 pixels), a partial last tile.
+                 Case(ops="CBNSA", c=64, k=64, n=3, h=17, w=19, dtype="bfloat16", **NHWC),
                  # float32 filters of 16-bit plans (a model's parameters): conv_wgmma's
                  # converting B path at batch 1 (split-K) and 4, OHWI, a side input; NCHW
                  # takes the direct kernel.
@@ -373,6 +376,57 @@ def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": forced}
     done = subprocess.run([sys.executable, "-P", "-c",
                            _STEM_CHILD.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
+# conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the
+# first of them forced (256 pixels a tile): partial tiles, stride, dilation, groups, 1x1, a
+# side input, per-activation batch norm, both 16-bit dtypes, and infinities in the input.
+_SWAP_CHILD = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case, assert_matches_with_nonfinite
+    from jaxfuse.reference import reference_float64
+    gpu = jax.devices("gpu")[0]
+    NHWC = dict(layout="NHWC", filter_layout="HWIO")
+    cases = [
+        Case(ops="CBNA", c=64, k=64, n=3, h=17, w=19, dtype="bfloat16", **NHWC),
+        Case(ops="CBNSA", c=128, k=64, n=2, h=23, w=21, strides=(2, 2), padding="SAME",
+             dtype="float16", **NHWC),
+        Case(ops="CNA", c=256, k=64, n=4, h=14, w=14, r=1, s=1, padding="VALID",
+             bn_mode="per_activation", dtype="bfloat16", **NHWC),
+        Case(ops="CBA", c=128, k=128, n=2, h=9, w=11, groups=2, dilation=(2, 1),
+             padding="SAME", activation="clipped_relu", dtype="float16", **NHWC),
+        Case(ops="CBNA", c=64, k=64, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+    ]
+    for case in cases:
+        plan, _ = case.build()
+        plan.compile(gpu, solver="fused")
+        assert plan.kernel_info["tile"].endswith(" sw"), (str(case), plan.kernel_info)
+        run_case(case, gpu, solver="fused")
+    case = cases[0]
+    plan, handles = case.build()
+    plan.compile(gpu, solver="fused")
+    rng = np.random.default_rng(1)
+    x, args, operands = case.random_args(plan, handles, rng)
+    x = np.asarray(x).copy()
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, 6, replace=False)] = [np.inf, -np.inf] * 3
+    operands[0] = np.asarray(x, np.float64)
+    ref = reference_float64(plan.signature, *operands)
+    out = jax.jit(plan.execute)(jax.device_put(jnp.asarray(x), gpu), jax.device_put(args, gpu))
+    assert_matches_with_nonfinite(out, ref, case.tolerance(gpu))
+    print("ok")
+""")
+
+
+def test_the_swapped_operand_tiles_are_correct(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path),
+           "JAXFUSE_KERNEL_VARIANT": "conv_tma sw"}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           _SWAP_CHILD.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
 

@@ -386,6 +386,40 @@ PINGPONG = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n
                 ("CBNSA", "float32", "OHWI", 64, 128, 8, 28, 1))]
 
 
+# conv_tma's tiles with the operands swapped: offered (256 and 128 pixels, ping-pong) for
+# 16-bit plans whose groups have 64 output channels and [kk][k] filters, never otherwise, and
+# not with JAXFUSE_TMA_SWAP=0 (or without ping-pong).
+SWAP = [(Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=n, h=hw, w=hw,
+              r=r, s=r, padding=((r // 2, r // 2),) * 2, groups=g), offered)
+        for ops, dt, fl, c, k, g, n, hw, r, offered in (
+            ("CBNA", "bfloat16", "HWIO", 64, 64, 1, 16, 56, 3, True),
+            ("CBNSA", "float16", "HWIO", 128, 128, 2, 4, 17, 3, True),
+            ("CBNA", "float16", "HWIO", 256, 64, 1, 8, 28, 1, True),
+            ("CBNA", "bfloat16", "OHWI", 64, 64, 1, 16, 56, 3, False),
+            ("CBNA", "bfloat16", "HWIO", 64, 128, 1, 16, 56, 3, False),
+            ("CBNA", "float32", "HWIO", 64, 64, 1, 16, 28, 3, False))]
+
+
+@pytest.mark.parametrize("case, offered", SWAP, ids=str)
+def test_swapped_tiles_are_offered_where_they_apply(case: Case, offered: bool,
+                                                    monkeypatch) -> None:
+    encoded = case.build()[0].signature.encode()
+
+    def tiles() -> list[str]:
+        count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
+        outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
+                for v in range(count)]
+        assert all(out["binary_bytes"] > 0 for out in outs)
+        return [out["tile"] for out in outs]
+
+    swapped = [t for t in tiles() if t.endswith(" sw")]
+    assert swapped == (["256x64 s4 e64 b1 pp sw", "128x64 s7 e64 b1 pp sw"] if offered else [])
+    for switch in ("JAXFUSE_TMA_SWAP", "JAXFUSE_TMA_PINGPONG"):
+        monkeypatch.setenv(switch, "0")
+        assert not any(t.endswith(" sw") for t in tiles())
+        monkeypatch.delenv(switch)
+
+
 @pytest.mark.parametrize("case", PINGPONG, ids=str)
 def test_ping_pong_tiles_compile_unless_withdrawn(case: Case, monkeypatch) -> None:
     encoded = case.build()[0].signature.encode()

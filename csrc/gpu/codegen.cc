@@ -416,11 +416,13 @@ struct TmaTile {
   int bn, stages, epi_cols;
   int blocks = 1;         // per multiprocessor
   bool pingpong = false;  // consumers take whole tiles in turn (conv_tma.cuh: kPingPong)
-  static constexpr int kBM = 128, kThreads = 384;
+  int bm = 128;           // output pixels per tile
+  bool swap = false;      // channels as wgmma's M, pixels as its N (conv_tma.cuh: kSwapAB)
+  static constexpr int kThreads = 384;
   // Dynamic shared memory: the ring of stages, two staging tiles, the ring's barriers, and
   // alignment slack; plus the static per-warpgroup tables of epilogue terms (20 bytes each).
   int SmemBytes() const {  // (ping-pong: two more barriers, the consumers' turns)
-    return stages * (kBM + bn) * 128 + 2 * 64 * (epi_cols + 4) * 4 + 16 * stages +
+    return stages * (bm + bn) * 128 + 2 * 64 * (epi_cols + 4) * 4 + 16 * stages +
            (pingpong ? 16 : 0) + 1024;
   }
   int StaticSmemBytes() const { return 2 * bn * 20; }
@@ -458,6 +460,18 @@ bool TmaTransposesB(const PlanSpec& spec) {
   return spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO;
 }
 
+// Tiles with the operands swapped (conv_tma.cuh: kSwapAB): 16-bit plans whose groups have 64
+// output channels, with [kk][k] (HWIO) filters, whose 64x64 copy-engine tiles are then
+// wgmma's MN-major A. Candidates (ping-pong ones) unless JAXFUSE_TMA_SWAP=0.
+bool TmaSwapApplies(const PlanSpec& spec) {
+  const char* value = std::getenv("JAXFUSE_TMA_SWAP");
+  const bool enabled = value == nullptr || std::string(value) != "0";
+  const char* pingpong = std::getenv("JAXFUSE_TMA_PINGPONG");
+  const bool pp = pingpong == nullptr || std::string(pingpong) != "0";
+  return enabled && pp && spec.dtype != DType::kF32 && spec.conv.k / spec.conv.groups == 64 &&
+         spec.conv.filter_layout == FilterLayout::kHWIO;
+}
+
 // conv_tma's ping-pong tiles are autotuner candidates unless JAXFUSE_TMA_PINGPONG=0.
 bool TmaPingPongEnabled() {
   const char* value = std::getenv("JAXFUSE_TMA_PINGPONG");
@@ -466,8 +480,8 @@ bool TmaPingPongEnabled() {
 
 // As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
 TmaTile MakeTmaTile(int bn, int blocks, int max_smem, int max_stages = 8,
-                    bool pingpong = false) {
-  TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks, pingpong};
+                    bool pingpong = false, int bm = 128, bool swap = false) {
+  TmaTile tile{bn, max_stages, bn >= 256 ? 32 : 64, blocks, pingpong, bm, swap};
   const int budget = blocks == 1 ? max_smem : max_smem / 2 - 1024;  // the SM's 228 KB, halved
   while (tile.stages > 2 && tile.SmemBytes() + tile.StaticSmemBytes() > budget) --tile.stages;
   return tile;
@@ -486,7 +500,7 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
   std::vector<TmaTile> all;
   for (const int bn : {256, 128, 64}) {
     if (bn > std::max<int64_t>(64, (kg + 63) / 64 * 64)) continue;  // mostly past the channels
-    const int64_t tiles = (m + TmaTile::kBM - 1) / TmaTile::kBM * ((kg + bn - 1) / bn) * g.groups;
+    const int64_t tiles = (m + 127) / 128 * ((kg + bn - 1) / bn) * g.groups;
     if (bn > 64 && tiles < sms / 2) continue;  // most multiprocessors would idle
     const TmaTile tile = MakeTmaTile(bn, 1, max_smem);
     if (tile.stages >= 3) all.push_back(tile);
@@ -509,14 +523,22 @@ std::vector<TmaTile> TmaCandidates(const PlanSpec& spec, const DeviceInfo& devic
       }
     }
   }
+  // 64 output channels: the operands swapped (kSwapAB), 256 or 128 pixels a tile, ping-pong.
+  if (TmaSwapApplies(spec)) {
+    for (const int bm : {256, 128}) {
+      const TmaTile tile = MakeTmaTile(64, 1, max_smem, 8, true, bm, true);
+      if (tile.stages >= 3) all.push_back(tile);
+    }
+  }
   return all;
 }
 
 std::string TmaConstants(const TmaTile& t) {
   Text s;
-  s << "constexpr int kBN = " << t.bn << ", kStages = " << t.stages
+  s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ", kStages = " << t.stages
     << ", kEpiCols = " << t.epi_cols << ", kBlocks = " << t.blocks << ";\n"
     << "constexpr bool kPingPong = " << (t.pingpong ? "true" : "false") << ";\n"
+    << "constexpr bool kSwapAB = " << (t.swap ? "true" : "false") << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ";\n";
   return s.str();
 }
@@ -554,7 +576,7 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   x.upper[0] = static_cast<int>(uw), x.upper[1] = static_cast<int>(uh);
   const uint32_t k_tile = static_cast<uint32_t>(HopperKTile(spec));
   x.channels = k_tile;
-  x.pixels = TmaTile::kBM;
+  x.pixels = static_cast<uint32_t>(tile.bm);
   if (TmaTransposesB(spec)) return {x};
 
   TensorMapSpec w;
@@ -909,13 +931,18 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
 
 }  // namespace
 
-std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
+namespace {
+
+// One k-step of wgmma as a device function: `head` is its declaration, `operand(i)` names the
+// accumulator of register i; the transposes say which operands are MN-major (16-bit only).
+std::string WgmmaStep(const std::string& head, int n, int dtype, bool a_mn_major,
+                      bool b_mn_major, const std::function<std::string(int)>& operand) {
   const int regs = n / 2;
   const bool tf32 = dtype == 0;
   const char* type = tf32 ? "tf32" : dtype == 2 ? "bf16" : "f16";
   Text s;
   s << "namespace jaxfuse {\nnamespace wgmma {\n"
-    << "JF_DEVICE void mma_64xN(float (&d)[" << regs << "], u64 a, u64 b) {\n"
+    << head << " {\n"
     << "  asm volatile(\n"
     << "      \"{\\n.reg .pred p;\\nsetp.ne.b32 p, %" << regs + 2 << ", 0;\\n\"\n"
     << "      \"wgmma.mma_async.sync.aligned.m64n" << n << (tf32 ? "k8" : "k16") << ".f32." << type
@@ -924,17 +951,34 @@ std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
     s << "%" << i << (i + 1 < regs ? ", " : "");
     if (i % 16 == 15 && i + 1 < regs) s << "\"\n      \"";
   }
-  // scale-d = p (accumulate), scale-a = scale-b = 1, A K-major, B transposed when MN-major
-  // (TF32 takes no transpose operands: both K-major).
+  // scale-d = p (accumulate), scale-a = scale-b = 1, then the transposes of A and B (TF32
+  // takes none: both K-major).
   s << "}, %" << regs << ", %" << regs + 1 << ", p, 1, 1";
-  if (!tf32) s << ", 0, " << (b_mn_major ? 1 : 0);
+  if (!tf32) s << ", " << (a_mn_major ? 1 : 0) << ", " << (b_mn_major ? 1 : 0);
   s << ";\\n}\\n\"\n      : ";
   for (int i = 0; i < regs; ++i) {
-    s << "\"+f\"(d[" << i << "])" << (i + 1 < regs ? ", " : "");
+    s << "\"+f\"(" << operand(i) << ")" << (i + 1 < regs ? ", " : "");
     if (i % 8 == 7 && i + 1 < regs) s << "\n        ";
   }
   s << "\n      : \"l\"(a), \"l\"(b), \"r\"(1));\n}\n}  // namespace wgmma\n}  // namespace jaxfuse\n";
   return s.str();
+}
+
+}  // namespace
+
+std::string WgmmaFunction(int n, int dtype, bool b_mn_major) {
+  return WgmmaStep("JF_DEVICE void mma_64xN(float (&d)[" + std::to_string(n / 2) +
+                       "], u64 a, u64 b)",
+                   n, dtype, false, b_mn_major,
+                   [](int i) { return "d[" + std::to_string(i) + "]"; });
+}
+
+std::string WgmmaSwappedFunction(int n, int dtype) {
+  return WgmmaStep("JF_DEVICE void mma_swapped(float (&d)[" + std::to_string(n / 64) +
+                       "][32], u64 a, u64 b)",
+                   n, dtype, true, false, [](int i) {
+                     return "d[" + std::to_string(i / 32) + "][" + std::to_string(i % 32) + "]";
+                   });
 }
 
 int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
@@ -994,17 +1038,24 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       const ConvGeometry& g = spec.conv;
       const int64_t m = spec.n * spec.out_h * spec.out_w, kg = g.k / g.groups;
       const int64_t tiles_total =
-          (m + TmaTile::kBM - 1) / TmaTile::kBM * ((kg + tile.bn - 1) / tile.bn) * g.groups;
+          (m + tile.bm - 1) / tile.bm * ((kg + tile.bn - 1) / tile.bn) * g.groups;
       const int sms = device.sm_count > 0 ? device.sm_count : 132;
       out.solver = "conv_tma";
-      out.tile = "128x" + std::to_string(tile.bn) + " s" + std::to_string(tile.stages) + " e" +
-                 std::to_string(tile.epi_cols) + " b" + std::to_string(tile.blocks) +
-                 (tile.pingpong ? " pp" : "");
+      out.tile = std::to_string(tile.bm) + "x" + std::to_string(tile.bn) + " s" +
+                 std::to_string(tile.stages) + " e" + std::to_string(tile.epi_cols) + " b" +
+                 std::to_string(tile.blocks) + (tile.pingpong ? " pp" : "") +
+                 (tile.swap ? " sw" : "");
       out.compile_arch = "sm_90a";
       const int dtype = spec.dtype == DType::kBF16 ? 2 : spec.dtype == DType::kF16 ? 1 : 0;
+      // (conv_tma.cuh names both multiplies; the one a tile does not use is a stub.)
       out.source = TranslationUnit(spec, TmaConstants(tile), {}) +
                    WgmmaFunction(tile.bn, dtype,
                                  dtype != 0 && g.filter_layout == FilterLayout::kHWIO) +
+                   (tile.swap ? WgmmaSwappedFunction(tile.bm, dtype)
+                              : std::string("namespace jaxfuse {\nnamespace wgmma {\n"
+                                            "template <typename D>\n"
+                                            "JF_DEVICE void mma_swapped(D&, u64, u64) {}\n"
+                                            "}  // namespace wgmma\n}  // namespace jaxfuse\n")) +
                    "#include \"conv_tma.cuh\"\n#include \"conv_direct.cuh\"\n";
       EntryPoint entry{"jaxfuse_conv_tma",
                        static_cast<unsigned>(std::min<int64_t>(tiles_total, sms * tile.blocks)),

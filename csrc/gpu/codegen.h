@@ -59,6 +59,11 @@ struct GeneratedKernel {
 // written out for every N.
 std::string WgmmaFunction(int n, int dtype, bool b_mn_major);
 
+// `jaxfuse::wgmma::mma_swapped(float (&d)[N / 64][32], u64 a, u64 b)`: the same with A
+// MN-major and B K-major, N = the tile's pixels (conv_tma.cuh: kSwapAB), register i of the
+// accumulator being d[i / 32][i % 32] (one 64-pixel block of the tile per row of d).
+std::string WgmmaSwappedFunction(int n, int dtype);
+
 // How many variants (tile configurations) of the plan's kernel there are to choose from;
 // variant 0 is the heuristic's choice, and autotuning times the others against it.
 int CountVariants(const PlanSpec& spec, const DeviceInfo& device);

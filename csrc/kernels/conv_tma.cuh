@@ -27,15 +27,25 @@
 // by parity, so a wait for a stage's next use before its previous use had landed would pass at
 // once.
 //
+// kSwapAB (groups of 64 output channels, 16-bit, [kk][k] filters): the operands swap roles.
+// With 64 channels a tile is 64 wide, and each m64n64k16 reads 4 KB of operands from shared
+// memory for 131 kflop; Nsight Compute found ResNet-50's 3x3/64 layer bound by the shared-memory
+// path (88% busy, tensor pipe 31%). Swapped, the filters' 64x64 copy-engine tile is wgmma's
+// MN-major A (M = the 64 channels) and the kBM-pixel im2col tile its K-major B (N = kBM
+// pixels): one m64n256k16 reads 10 KB for 524 kflop. A consumer multiplies a whole tile (the
+// ping-pong schedule); its accumulators hold (channel, pixel) pairs, which the epilogue writes
+// transposed into the staging tile, one row per pixel as the unswapped epilogue reads it.
+//
 // TF32 reads both operands K-major, and a tiled copy of [kk][k] (HWIO) filters can only land
 // MN-major: there the whole producer warpgroup writes B transposed, with 4-byte cp.async copies
 // (a warp's 8 channels x 4 values per copy, conflict-free), one stage behind its issue so the
 // copies' latency overlaps the next stage's, and arrives on the stage's barrier once they have
 // landed; the copy engine still brings the activations.
 //
-// From the code generator (namespace plan): kBN (64, 128 or 256), kStages, kEpiCols (32 or
-// 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets one block's epilogue overlap the
-// other's multiplies, for short reductions), kPingPong. The host encodes the tensor maps per
+// From the code generator (namespace plan): kBM (128, or 256 with kSwapAB), kBN (64, 128 or
+// 256), kStages, kEpiCols (32 or 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets
+// one block's epilogue overlap the other's multiplies, for short reductions), kPingPong,
+// kSwapAB. The host encodes the tensor maps per
 // launch (TmaParams) and checks what the copy engine needs: CG a multiple of a k-tile, KG % 8
 // == 0, 16-byte aligned buffers, corners and strides the im2col map can express.
 #pragma once
@@ -51,7 +61,6 @@ namespace tma_conv {
 using namespace plan;
 using namespace implicit_gemm;
 
-constexpr int kBM = 128;       // two consumer warpgroups of 64 rows
 constexpr bool kTf32 = sizeof(Io::type) == 4;
 constexpr int kBK = 128 / sizeof(Io::type);  // values in one 128-byte swizzle row
 constexpr int kConsumers = 2;  // warpgroups
@@ -84,6 +93,10 @@ constexpr int kConsumerRegisters =
 static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(kBN % 64 == 0 && kBN <= 256, "wgmma N, 64-wide blocks of B");
 static_assert(!kPingPong || kBN <= 128, "ping-pong: 128 x kBN accumulators in one warpgroup");
+static_assert(kBM == 128 || kSwapAB, "256-pixel tiles only swapped");
+static_assert(!kSwapAB || (kPingPong && kBN == 64 && kEpiCols == 64 && !kTf32 &&
+                           !kFiltersKMajor && (kBM == 128 || kBM == 256)),
+              "swapped: one consumer, 64 channels from [kk][k] filters, 128 or 256 pixels");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
 static_assert(kStages >= 2, "a stage loading while one multiplies");
 // Transposed B arrives a stage late: with two stages the producer would wait for a stage the
@@ -204,6 +217,14 @@ JF_DEVICE void produce(const TmaParams& args, const Ring& ring, int thread) {
 // One stage: this warpgroup's rows of A (its half of the tile, or all of it with kPingPong)
 // times all kBN columns of B.
 JF_DEVICE void multiply_stage(u32 stage, int consumer, float (&acc)[kRowBlocks][kBN / 2]) {
+  if constexpr (kSwapAB) {  // A: the filters (MN-major, 64 channels); B: kBM pixels (K-major)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      wgmma::mma_swapped(acc, wgmma::descriptor(stage + kATileBytes + 2048 * j, kNBlockBytes, 1024),
+                         wgmma::descriptor(stage + 32 * j, 16, 1024));
+    }
+    return;
+  }
 #pragma unroll
   for (int b = 0; b < kRowBlocks; ++b) {
     const u32 rows = kPingPong ? b * 64 : consumer * 64;
@@ -255,12 +276,19 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
     const int lane = thread % 32, warp = thread / 32;
     // Accumulators -> staging. wgmma's layout: warp w owns rows 16w..16w+15; registers i, i + 1
     // (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4 (+ 8 when
-    // i % 4 == 2).
+    // i % 4 == 2). Swapped, rows are channels and columns this 64-pixel block's pixels: the
+    // two values go to two pixel rows (at the 68-float pitch a warp's 32 writes hit 32 banks).
 #pragma unroll
     for (int i = kSlice * kEpiCols / 2; i < (kSlice + 1) * kEpiCols / 2; i += 2) {
       const int row = warp * 16 + lane / 4 + 8 * ((i % 4) / 2);
       const int col = 8 * (i / 4) + 2 * (lane % 4) - kSlice * kEpiCols;
-      *reinterpret_cast<float2*>(staging + row * kEpiPitch + col) = make_float2(acc[i], acc[i + 1]);
+      if constexpr (kSwapAB) {
+        staging[col * kEpiPitch + row] = acc[i];
+        staging[(col + 1) * kEpiPitch + row] = acc[i + 1];
+      } else {
+        *reinterpret_cast<float2*>(staging + row * kEpiPitch + col) =
+            make_float2(acc[i], acc[i + 1]);
+      }
     }
     tma::sync_threads(barrier, 128);  // the slice (and the terms) are written
 #pragma unroll
