@@ -1,8 +1,8 @@
 // Implicit-GEMM convolution on Hopper (sm_90a), warp-specialized: NHWC activations, fp16/bf16
 // or fp32 through TF32, fp32 accumulation, the plan's chain fused into the epilogue.
 //
-// A persistent grid (one block per multiprocessor) walks the output tiles of kBM = 128 pixels x
-// kBN channels. In each block:
+// A persistent grid (one block per multiprocessor) walks the output tiles of kBM pixels (128;
+// 256 with kSwapAB) x kBN channels. In each block:
 //  - a producer warpgroup, of which one thread issues bulk tensor copies (TMA): per k-tile
 //    (one filter tap, 128 bytes of channels: 64 16-bit values or 32 fp32 ones) the activations
 //    through an im2col tensor map (the copy engine walks the convolution window, strides and
@@ -45,9 +45,9 @@
 // From the code generator (namespace plan): kBM (128, or 256 with kSwapAB), kBN (64, 128 or
 // 256), kStages, kEpiCols (32 or 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets
 // one block's epilogue overlap the other's multiplies, for short reductions), kPingPong,
-// kSwapAB. The host encodes the tensor maps per
-// launch (TmaParams) and checks what the copy engine needs: CG a multiple of a k-tile, KG % 8
-// == 0, 16-byte aligned buffers, corners and strides the im2col map can express.
+// kSwapAB. The host encodes the tensor maps per launch (TmaParams) and checks what the copy
+// engine needs: CG a multiple of a k-tile, KG % 8 == 0, 16-byte aligned buffers, corners and
+// strides the im2col map can express.
 #pragma once
 
 #include "implicit_gemm.h"
@@ -215,13 +215,14 @@ JF_DEVICE void produce(const TmaParams& args, const Ring& ring, int thread) {
 }
 
 // One stage: this warpgroup's rows of A (its half of the tile, or all of it with kPingPong)
-// times all kBN columns of B.
+// times all kBN columns of B; swapped, the 64 channels' filters times all kBM pixels (the
+// accumulators' row b is then pixel block b).
 JF_DEVICE void multiply_stage(u32 stage, int consumer, float (&acc)[kRowBlocks][kBN / 2]) {
-  if constexpr (kSwapAB) {  // A: the filters (MN-major, 64 channels); B: kBM pixels (K-major)
+  if constexpr (kSwapAB) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      wgmma::mma_swapped(acc, wgmma::descriptor(stage + kATileBytes + 2048 * j, kNBlockBytes, 1024),
-                         wgmma::descriptor(stage + 32 * j, 16, 1024));
+    for (int j = 0; j < 4; ++j) {  // A: MN-major filters, a k16 step 2048 bytes; B: K-major
+      const u64 filters = wgmma::descriptor(stage + kATileBytes + 2048 * j, kNBlockBytes, 1024);
+      wgmma::mma_swapped(acc, filters, wgmma::descriptor(stage + 32 * j, 16, 1024));
     }
     return;
   }
