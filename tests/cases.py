@@ -231,6 +231,23 @@ def assert_matches_with_nonfinite(out: Any, ref: np.ndarray, tol: float) -> None
     assert err <= tol, f"relative error {err:.3g}"
 
 
+def run_case_with_infinities(case: Case, device: Any, seed: int = 1) -> None:
+    """Runs `case` with six infinities (three of each sign) in its input, fused kernel forced,
+    and checks NaN, infinities and the finite rest against the float64 reference."""
+    plan, handles = case.build()
+    plan.compile(device, solver="fused")
+    rng = np.random.default_rng(seed)
+    x, args, operands = case.random_args(plan, handles, rng)
+    x = np.asarray(x).copy()
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, 6, replace=False)] = [np.inf, -np.inf] * 3
+    operands[0] = np.asarray(x, np.float64)
+    ref = reference_float64(plan.signature, *operands)
+    out = jax.jit(plan.execute)(jax.device_put(jnp.asarray(x), device),
+                                jax.device_put(args, device))
+    assert_matches_with_nonfinite(out, ref, case.tolerance(device))
+
+
 def compiler_available(platform: str = "CUDA") -> bool:
     """Whether the runtime compiler of "CUDA" (NVRTC) or "ROCM" (hiprtc) can be loaded here."""
     try:

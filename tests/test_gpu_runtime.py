@@ -39,6 +39,16 @@ def _child(cache_dir: str, extra_env: dict[str, str] | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run_ok_child(template: str, cache_dir: str, **env_vars: str) -> None:
+    """Runs a child script (`template`, formatted with the tests' folder) with its own kernel
+    cache and `env_vars`; it must exit 0 and print "ok"."""
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, **env_vars}
+    done = subprocess.run([sys.executable, "-P", "-c",
+                           template.format(tests=os.path.dirname(__file__))],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+
+
 def test_second_process_reuses_the_disk_cache(tmp_path) -> None:
     first = _child(str(tmp_path))
     assert first["stats"]["compilations"] == 1 and first["stats"]["disk_hits"] == 0
@@ -85,11 +95,7 @@ _WIDE_TUNING_CHILD = textwrap.dedent("""
 
 
 def test_autotuning_plans_with_float32_filters(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_AUTOTUNE": "1"}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _WIDE_TUNING_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_WIDE_TUNING_CHILD, str(tmp_path), JAXFUSE_AUTOTUNE="1")
 
 
 # Shapes whose variants include every kind of tile (wide, deep, split-K over a cluster) and
@@ -190,11 +196,7 @@ _VARIANTS_CHILD = textwrap.dedent("""
 # depthwise solver's last is its vector kernel); indices past a plan's count clamp to its last.
 @pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": str(variant)}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _VARIANTS_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_VARIANTS_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=str(variant))
 
 
 def test_under_cuda_graphs(tmp_path) -> None:
@@ -311,12 +313,7 @@ _PINGPONG_CHILD = textwrap.dedent("""
 
 
 def test_the_ping_pong_schedule_is_correct(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path),
-           "JAXFUSE_KERNEL_VARIANT": "conv_tma pp"}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _PINGPONG_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_PINGPONG_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma pp")
 
 
 # The few-channel stem kernel forced: ResNet's 7x7/2 and MobileNet's 3x3/2 stems (tiles that
@@ -327,11 +324,8 @@ def test_the_ping_pong_schedule_is_correct(tmp_path) -> None:
 _STEM_CHILD = textwrap.dedent("""
     import sys
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case, assert_matches_with_nonfinite
-    from jaxfuse.reference import reference_float64
+    from cases import Case, run_case, run_case_with_infinities
     gpu = jax.devices("gpu")[0]
     cases = [
         Case(ops="CBNA", c=3, k=64, n=2, h=30, w=30, r=7, s=7, strides=(2, 2),
@@ -354,18 +348,7 @@ _STEM_CHILD = textwrap.dedent("""
         plan.compile(gpu, solver="fused")
         assert plan.solver == "conv_stem", (case, plan.kernel_info)
         run_case(case, gpu, solver="fused")
-    case = cases[0]
-    plan, handles = case.build()
-    plan.compile(gpu, solver="fused")
-    rng = np.random.default_rng(1)
-    x, args, operands = case.random_args(plan, handles, rng)
-    x = np.asarray(x).copy()
-    flat = x.reshape(-1)
-    flat[rng.choice(flat.size, 6, replace=False)] = [np.inf, -np.inf] * 3
-    operands[0] = np.asarray(x, np.float64)
-    ref = reference_float64(plan.signature, *operands)
-    out = jax.jit(plan.execute)(jax.device_put(jnp.asarray(x), gpu), jax.device_put(args, gpu))
-    assert_matches_with_nonfinite(out, ref, case.tolerance(gpu))
+    run_case_with_infinities(cases[0], gpu)
     print("ok")
 """)
 
@@ -373,11 +356,7 @@ _STEM_CHILD = textwrap.dedent("""
 # Its first variant (the staged epilogue) and its first register-epilogue one.
 @pytest.mark.parametrize("forced", ["conv_stem", "conv_stem r"])
 def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": forced}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _STEM_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_STEM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced)
 
 
 # conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the
@@ -385,10 +364,9 @@ def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
 # side input, per-activation batch norm, both 16-bit dtypes, and infinities in the input.
 _SWAP_CHILD = textwrap.dedent("""
     import sys
-    import jax, jax.numpy as jnp, numpy as np
+    import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case, assert_matches_with_nonfinite
-    from jaxfuse.reference import reference_float64
+    from cases import Case, run_case, run_case_with_infinities
     gpu = jax.devices("gpu")[0]
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
     cases = [
@@ -406,34 +384,14 @@ _SWAP_CHILD = textwrap.dedent("""
         plan.compile(gpu, solver="fused")
         assert plan.kernel_info["tile"].endswith(" sw"), (str(case), plan.kernel_info)
         run_case(case, gpu, solver="fused")
-    case = cases[0]
-    plan, handles = case.build()
-    plan.compile(gpu, solver="fused")
-    rng = np.random.default_rng(1)
-    x, args, operands = case.random_args(plan, handles, rng)
-    x = np.asarray(x).copy()
-    flat = x.reshape(-1)
-    flat[rng.choice(flat.size, 6, replace=False)] = [np.inf, -np.inf] * 3
-    operands[0] = np.asarray(x, np.float64)
-    ref = reference_float64(plan.signature, *operands)
-    out = jax.jit(plan.execute)(jax.device_put(jnp.asarray(x), gpu), jax.device_put(args, gpu))
-    assert_matches_with_nonfinite(out, ref, case.tolerance(gpu))
+    run_case_with_infinities(cases[0], gpu)
     print("ok")
 """)
 
 
 def test_the_swapped_operand_tiles_are_correct(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path),
-           "JAXFUSE_KERNEL_VARIANT": "conv_tma sw"}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _SWAP_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_SWAP_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma sw")
 
 
 def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma"}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _TMA_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    _run_ok_child(_TMA_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma")

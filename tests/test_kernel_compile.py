@@ -386,6 +386,15 @@ PINGPONG = [Case(ops=ops, dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n
                 ("CBNSA", "float32", "OHWI", 64, 128, 8, 28, 1))]
 
 
+def _sm90_variants(encoded: str) -> list[dict]:
+    """Every variant of the plan `encoded` compiled for sm_90 (each must produce a binary)."""
+    count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
+    outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
+            for v in range(count)]
+    assert all(out["binary_bytes"] > 0 for out in outs)
+    return outs
+
+
 # conv_tma's tiles with the operands swapped: offered (256 and 128 pixels, ping-pong) for
 # 16-bit plans whose groups have 64 output channels and [kk][k] filters, never otherwise, and
 # not with JAXFUSE_TMA_SWAP=0 (or without ping-pong).
@@ -406,11 +415,7 @@ def test_swapped_tiles_are_offered_where_they_apply(case: Case, offered: bool,
     encoded = case.build()[0].signature.encode()
 
     def tiles() -> list[str]:
-        count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
-        outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
-                for v in range(count)]
-        assert all(out["binary_bytes"] > 0 for out in outs)
-        return [out["tile"] for out in outs]
+        return [out["tile"] for out in _sm90_variants(encoded)]
 
     swapped = [t for t in tiles() if t.endswith(" sw")]
     assert swapped == (["256x64 s4 e64 b1 pp sw", "128x64 s7 e64 b1 pp sw"] if offered else [])
@@ -425,11 +430,7 @@ def test_ping_pong_tiles_compile_unless_withdrawn(case: Case, monkeypatch) -> No
     encoded = case.build()[0].signature.encode()
 
     def tiles() -> list[str]:
-        count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
-        outs = [extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=v)
-                for v in range(count)]
-        assert all(out["binary_bytes"] > 0 for out in outs)
-        return [out["tile"] for out in outs if out["solver"] == "conv_tma"]
+        return [out["tile"] for out in _sm90_variants(encoded) if out["solver"] == "conv_tma"]
 
     monkeypatch.setenv("JAXFUSE_TMA_PINGPONG", "0")
     plain = tiles()

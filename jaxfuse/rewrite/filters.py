@@ -35,11 +35,9 @@ against 353 us with the batched conversion.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
-from typing import Any
 
 import numpy as np
 
@@ -47,7 +45,7 @@ from ..descriptors import TensorDesc
 from ..errors import FusionError
 from ..find import FUSED
 from .graph import Graph, Value
-from .lowering import plan_of
+from .lowering import compile_each, plan_of
 from .matcher import Group
 
 __all__ = ["WIDE_FILTER_MAX_PIXELS", "widen_filters"]
@@ -95,23 +93,19 @@ def widen_filters(g: Graph, groups: list[Group], solvers: dict[int, str | None]
 
 
 def _compile(groups: list[Group]) -> set[int]:
-    """Compiles the groups' plans forcing the fused kernel, concurrently (as
-    lowering.compile_plans does, which raises instead); the ids of the groups whose plan
-    failed."""
+    """Compiles the groups' plans forcing the fused kernel; the ids of the groups whose plan
+    the backend refused (FusionError; any other error is raised)."""
     plans = {id(plan_of(group, FUSED)): plan_of(group, FUSED) for group in groups}
-
-    def compile_one(plan: Any) -> str | None:
-        try:
-            plan.compile(solver=FUSED)
-        except FusionError as err:
-            logger.debug("jaxfuse: float32 filters for %s: %s", plan.signature.describe(), err)
-            return str(err)
-        return None
-
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(plans), os.cpu_count() or 1))) \
-            as pool:
-        errors = dict(zip(plans, pool.map(compile_one, plans.values())))
-    return {id(group) for group in groups if errors[id(plan_of(group, FUSED))] is not None}
+    failed = set()
+    for key, error in zip(plans, compile_each(list(plans.values()), FUSED)):
+        if error is None:
+            continue
+        if not isinstance(error, FusionError):
+            raise error
+        logger.debug("jaxfuse: float32 filters for %s: %s", plans[key].signature.describe(),
+                     error)
+        failed.add(key)
+    return {id(group) for group in groups if id(plan_of(group, FUSED)) in failed}
 
 
 def _float32_source(g: Graph, value: Value) -> Value | None:

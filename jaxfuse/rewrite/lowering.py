@@ -27,7 +27,7 @@ from .graph import Graph, Value
 from .matcher import ConvInfo, Group, PlanOp
 from .patterns import Step
 
-__all__ = ["build_plan", "compile_plans", "emit", "plan_of"]
+__all__ = ["build_plan", "compile_each", "compile_plans", "emit", "plan_of"]
 
 Reader = Callable[[Value], Any]
 
@@ -69,17 +69,31 @@ def plan_of(group: Group, solver: str | None = None) -> FusionPlan:
 
 
 def compile_plans(groups: list[Group], solver: str | None = None) -> None:
-    """Compiles the groups' plans with solver mode `solver`, concurrently: on GPUs each is a
-    runtime-compiler run, and a network has dozens (the extension releases the GIL while
-    compiling; measurements take turns)."""
+    """Compiles the groups' plans with solver mode `solver` (see :func:`compile_each`); raises
+    the first plan's error."""
     plans = {id(p): p for p in map(plan_of, groups)}
-    if len(plans) <= 1:
-        for plan in plans.values():
+    for error in compile_each(list(plans.values()), solver):
+        if error is not None:
+            raise error
+
+
+def compile_each(plans: list[FusionPlan], solver: str | None = None
+                 ) -> list[Exception | None]:
+    """Compiles `plans` with solver mode `solver`, concurrently: on GPUs each is a
+    runtime-compiler run, and a network has dozens (the extension releases the GIL while
+    compiling; measurements take turns). Each plan's error, or None."""
+
+    def compile_one(plan: FusionPlan) -> Exception | None:
+        try:
             plan.compile(solver=solver)
-        return
+        except Exception as err:  # handed to the caller, which decides
+            return err
+        return None
+
+    if len(plans) <= 1:
+        return [compile_one(plan) for plan in plans]
     with concurrent.futures.ThreadPoolExecutor(min(len(plans), os.cpu_count() or 1)) as pool:
-        for future in [pool.submit(plan.compile, solver=solver) for plan in plans.values()]:
-            future.result()
+        return list(pool.map(compile_one, plans))
 
 
 def emit(group: Group, read: Reader, g: Graph, solver: str | None = None) -> jax.Array:
