@@ -460,22 +460,20 @@ bool TmaTransposesB(const PlanSpec& spec) {
   return spec.dtype == DType::kF32 && spec.conv.filter_layout == FilterLayout::kHWIO;
 }
 
+// conv_tma's ping-pong tiles are autotuner candidates unless JAXFUSE_TMA_PINGPONG=0.
+bool TmaPingPongEnabled() {
+  const char* value = std::getenv("JAXFUSE_TMA_PINGPONG");
+  return value == nullptr || std::string(value) != "0";
+}
+
 // Tiles with the operands swapped (conv_tma.cuh: kSwapAB): 16-bit plans whose groups have 64
 // output channels, with [kk][k] (HWIO) filters, whose 64x64 copy-engine tiles are then
 // wgmma's MN-major A. Candidates (ping-pong ones) unless JAXFUSE_TMA_SWAP=0.
 bool TmaSwapApplies(const PlanSpec& spec) {
   const char* value = std::getenv("JAXFUSE_TMA_SWAP");
   const bool enabled = value == nullptr || std::string(value) != "0";
-  const char* pingpong = std::getenv("JAXFUSE_TMA_PINGPONG");
-  const bool pp = pingpong == nullptr || std::string(pingpong) != "0";
-  return enabled && pp && spec.dtype != DType::kF32 && spec.conv.k / spec.conv.groups == 64 &&
-         spec.conv.filter_layout == FilterLayout::kHWIO;
-}
-
-// conv_tma's ping-pong tiles are autotuner candidates unless JAXFUSE_TMA_PINGPONG=0.
-bool TmaPingPongEnabled() {
-  const char* value = std::getenv("JAXFUSE_TMA_PINGPONG");
-  return value == nullptr || std::string(value) != "0";
+  return enabled && TmaPingPongEnabled() && spec.dtype != DType::kF32 &&
+         spec.conv.k / spec.conv.groups == 64 && spec.conv.filter_layout == FilterLayout::kHWIO;
 }
 
 // As many stages as shared memory holds (at most 8), for `blocks` blocks per multiprocessor.
