@@ -7,6 +7,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 
@@ -173,7 +174,9 @@ NB_MODULE(_jaxfuse_ext, m) {
 
   m.def("cpu_prepare", [](std::string_view plan) {
     // Parses and validates once; raises ValueError if malformed.
-    return std::string(jaxfuse::cpu::SolverName(*jaxfuse::LookupPlan(plan)));
+    const auto spec = jaxfuse::LookupPlan(plan);
+    if (const char* refused = jaxfuse::cpu::Refuses(*spec)) throw std::invalid_argument(refused);
+    return std::string(jaxfuse::cpu::SolverName(*spec));
   }, nb::arg("plan"), "Validates a plan signature for the CPU backend; the code that runs it.");
 
   m.def("plan_canonical", [](std::string_view plan) {

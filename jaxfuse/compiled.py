@@ -19,10 +19,10 @@ from .signature import PlanSignature
 from .solvers import (
     XLA,
     FusedKernel,
-    prepare_fused,
+    kernel_signature,
+    prepare_forms,
     refiltered_operands,
     solver_mode,
-    with_filters,
     xla_function,
 )
 
@@ -48,6 +48,9 @@ class CompiledPlan:
     # The filter layout the fused kernel reads, where each call transposes the plan's filters
     # into it (jaxfuse.solvers.kernel_filters); None: the plan's own.
     filters: str | None = None
+    # The input layout the fused kernel reads, where each call transposes the plan's input
+    # into it (jaxfuse.solvers.kernel_forms); None: the plan's own.
+    layout: str | None = None
     times_us: tuple[tuple[str, float], ...] = ()  # measured cost per run, by candidate
     device_us: tuple[tuple[str, float], ...] = ()  # its parts: device time (GPUs) ...
     host_us: tuple[tuple[str, float], ...] = ()  # ... and the host's launch work
@@ -72,6 +75,8 @@ class CompiledPlan:
             info["fused_kernel"] = self.fused_kernel
         if self.filters is not None and not self.uses_xla:
             info["filters"] = f"{self.filters} (transposed on each call)"
+        if self.layout is not None and not self.uses_xla:
+            info["input_layout"] = f"{self.layout} (transposed on each call)"
         if self.times_us:
             info["candidates_us"] = dict(self.times_us)
         if self.host_us:
@@ -87,10 +92,12 @@ class CompiledPlan:
         """Runs the chain with the chosen solver (traceable; operands as for fused_chain)."""
         if self.uses_xla:
             return xla_function(self.signature)(*checked_operands(self.signature, x, *params))
-        if self.filters is not None:
+        if self.filters is not None or self.layout is not None:
             operands = refiltered_operands(self.signature, self.filters,
-                                           checked_operands(self.signature, x, *params))
-            return fused_chain(with_filters(self.signature, self.filters), *operands)
+                                           checked_operands(self.signature, x, *params),
+                                           self.layout)
+            return fused_chain(kernel_signature(self.signature, self.filters, self.layout),
+                               *operands)
         return fused_chain(self.signature, x, *params)
 
 
@@ -164,7 +171,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
         return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="fallback",
                             **common)
     prepared = time.perf_counter()
-    common.update(details=fused.details, fused_kernel=fused.label, filters=fused.filters)
+    common.update(details=fused.details, fused_kernel=fused.label, filters=fused.filters,
+                  layout=fused.layout)
     if mode == "fused":
         return CompiledPlan(kernel=fused.solver, seconds=(("kernel", prepared - start),),
                             **common)
@@ -178,7 +186,10 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
 
 
 def _prepare(signature: PlanSignature, device: Any) -> FusedKernel:
-    fused = prepare_fused(signature, device)
+    """The fused kernel for `signature`: of several forms (jaxfuse.solvers.prepare_forms),
+    the fastest measured."""
+    forms = prepare_forms(signature, device)
+    fused = forms[0] if len(forms) == 1 else find.fastest_form(signature, device, forms)
     if device.platform.lower() != "cpu":
         _warn_once_if_disk_cache_off(extension().gpu_cache(keys=False)["problem"])
     return fused

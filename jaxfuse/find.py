@@ -34,7 +34,7 @@ from .measure import Harness, device_timing, random_operands, relative_error, se
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
-__all__ = ["MARGIN", "Decision", "choose", "stats"]
+__all__ = ["MARGIN", "Decision", "choose", "fastest_form", "stats"]
 
 logger = logging.getLogger("jaxfuse")
 
@@ -121,7 +121,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
         with _lock:
             _stats["disk_hits"] += 1
         return decision
-    decision = _worker.submit(_measure, signature, device, fused.filters).result()
+    decision = _worker.submit(_measure, signature, device, fused).result()
     with _lock:
         _stats["measured"] += 1
     if len(decision.times_us) == 2:  # a failure may be passing (memory): measure it again
@@ -131,7 +131,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
     return decision
 
 
-def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Decision:
+def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Decision:
     times: dict[str, float] = {}
     device_us: dict[str, float] = {}
     host_us: dict[str, float] = {}
@@ -146,7 +146,7 @@ def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Deci
         outputs: dict[str, Any] = {}
         harnesses: dict[str, Harness] = {}
         # XLA first: a fused kernel already _GIVE_UP times slower is not timed further.
-        fused = functools.partial(fused_function, filters=filters)
+        fused = functools.partial(fused_function, filters=kernel.filters, layout=kernel.layout)
         for name, make in ((XLA, xla_function), (FUSED, fused)):
             limit = (give_up_limit(times[XLA] * 1e-6)
                      if name == FUSED and XLA in times else None)
@@ -183,6 +183,51 @@ def _measure(signature: PlanSignature, device: Any, filters: str | None) -> Deci
         device_us.pop(name, None), host_us.pop(name, None)
     return Decision(_faster(times, failures), tuple(times.items()), tuple(failures.items()),
                     device_us=tuple(device_us.items()), host_us=tuple(host_us.items()))
+
+
+def fastest_form(signature: PlanSignature, device: Any,
+                 kernels: list[FusedKernel]) -> FusedKernel:
+    """The fastest of `kernels`, jaxfuse's kernels for `signature` in different forms
+    (jaxfuse.solvers.prepare_forms), timed on `device` as :func:`choose` times candidates
+    (transposes included); from the disk cache when measured before. A form that fails to run
+    is dropped; the first kernel (the plan's own form) is kept if every one fails."""
+    labels = [kernel.label for kernel in kernels]
+    key = (f"jaxfuse-form-v1|{_environment_key(device.device_kind, device.platform.lower())}|"
+           f"{'|'.join(labels)}|{signature.encode()}")
+    stored = extension().cache_load(key)
+    if stored is not None:
+        try:
+            return kernels[labels.index(json.loads(stored.decode())["fastest"])]
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            pass  # malformed: measure again
+    times = _worker.submit(_time_forms, signature, device, kernels).result()
+    logger.debug("jaxfuse: %s forms on %s: %s", signature.describe(), device.device_kind, times)
+    if not times:
+        return kernels[0]
+    fastest = min(times, key=times.get)
+    if len(times) == len(kernels):  # a failure may be passing (memory): measure it again
+        extension().cache_store(key, json.dumps({"fastest": fastest, "times_us": times}).encode())
+    return kernels[labels.index(fastest)]
+
+
+def _time_forms(signature: PlanSignature, device: Any,
+                kernels: list[FusedKernel]) -> dict[str, float]:
+    times: dict[str, float] = {}
+    with device_timing():
+        try:
+            sets = random_operands(signature, device, set_count(signature, device))
+        except Exception as err:
+            logger.debug("jaxfuse: %s forms not timed: %s", signature.describe(), err)
+            return times
+        for kernel in kernels:
+            try:
+                harness = Harness.compile(
+                    fused_function(signature, kernel.filters, kernel.layout), sets, device)
+                times[kernel.label] = harness.run()[1].cost * 1e6
+            except Exception as err:
+                logger.debug("jaxfuse: %s form %s failed: %s", signature.describe(),
+                             kernel.label, err)
+    return times
 
 
 def give_up_limit(xla_seconds: float) -> float:

@@ -64,7 +64,7 @@ def _conv_nchw_float64(x: np.ndarray, w: np.ndarray, signature: PlanSignature) -
 def _per_sample_to_nchw(p: Any, signature: PlanSignature, bn: bool) -> Any:
     """Broadcastable (1, C, H, W) or (1, C, 1, 1) view of a bias/batch-norm parameter."""
     if bn and signature.bn_mode == "per_activation":
-        p = p if signature.layout == "NCHW" else p.transpose(2, 0, 1)
+        p = p if signature.out_layout == "NCHW" else p.transpose(2, 0, 1)
         return p[None]
     return p.reshape(1, -1, 1, 1)
 
@@ -84,7 +84,7 @@ def _epilogue(signature: PlanSignature, y: Any, ops: dict[str, Any], scalars: An
                                        for k in ("scale", "shift", "mean", "var"))
             y = scale * (y - mean) / xp.sqrt(var + s["bn_epsilon"]) + shift
         elif letter == "S":
-            y = y + s["side_alpha"] * _to_nchw(ops["side"], signature.layout)
+            y = y + s["side_alpha"] * _to_nchw(ops["side"], signature.out_layout)
         elif letter == "A":
             params = (s["act_alpha"], s["act_beta"], s["act_gamma"])
             y = (jax_activation(signature.activation, y, *params) if xp is jnp else
@@ -111,7 +111,7 @@ def reference_float64(signature: PlanSignature, *operands: Any) -> np.ndarray:
         y = _conv_nchw_float64(y, _filter_to_oihw(ops["w"], signature.conv.filter_layout),
                                signature)
     y = _epilogue(signature, y, ops, ops["scalars"], np)
-    return _from_nchw(y, signature.layout)
+    return _from_nchw(y, signature.out_layout)
 
 
 def unfused(signature: PlanSignature, *operands: Any, out_sharding: Any = None) -> Any:
@@ -128,10 +128,10 @@ def unfused(signature: PlanSignature, *operands: Any, out_sharding: Any = None) 
         y = lax.conv_general_dilated(
             y, _narrowed_filters(signature, ops["w"]), c.strides, c.padding,
             rhs_dilation=c.dilation,
-            dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
+            dimension_numbers=(signature.layout, c.filter_layout, signature.out_layout),
             feature_group_count=c.groups, precision=precision, out_sharding=out_sharding)
-    y = _to_nchw(y.astype(jnp.float32), signature.layout)
+    y = _to_nchw(y.astype(jnp.float32), signature.out_layout)
     params = {k: jnp.asarray(v, jnp.float32) for k, v in ops.items()
               if k not in ("x", "w", "scalars")}
     y = _epilogue(signature, y, params, ops["scalars"].astype(jnp.float32), jnp)
-    return _from_nchw(y, signature.layout).astype(signature.dtype)
+    return _from_nchw(y, signature.out_layout).astype(signature.dtype)

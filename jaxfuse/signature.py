@@ -64,6 +64,15 @@ class PlanSignature:
     conv: ConvSpec | None = None
     bn_mode: str | None = None
     activation: ActivationMode | None = None
+    # The output's layout where it is not the input's (None: the input's). Plans always have
+    # one layout; this is a kernel form (jaxfuse.solvers.kernel_form): NCHW plans on Hopper
+    # can run a kernel that reads their input transposed to NHWC and writes NCHW itself.
+    output_layout: str | None = None
+
+    @property
+    def out_layout(self) -> str:
+        """The layout of the output, the side input and per-activation parameters."""
+        return self.output_layout or self.layout
 
     # ----- derived shapes ---------------------------------------------------------------------
     @cached_property
@@ -78,8 +87,10 @@ class PlanSignature:
             hw.append((size + lo + hi - (window - 1) * dil - 1) // stride + 1)
         return (c.out_channels, hw[0], hw[1])
 
-    def physical(self, n: int, c: int, h: int, w: int) -> tuple[int, ...]:
-        return (n, c, h, w) if self.layout == "NCHW" else (n, h, w, c)
+    def physical(self, n: int, c: int, h: int, w: int, layout: str | None = None
+                 ) -> tuple[int, ...]:
+        """(n, c, h, w) in `layout`'s order (default: the input's layout)."""
+        return (n, c, h, w) if (layout or self.layout) == "NCHW" else (n, h, w, c)
 
     @cached_property
     def input_shape(self) -> tuple[int, ...]:
@@ -87,7 +98,7 @@ class PlanSignature:
 
     @cached_property
     def output_shape(self) -> tuple[int, ...]:
-        return self.physical(self.batch, *self.output_chw)
+        return self.physical(self.batch, *self.output_chw, layout=self.out_layout)
 
     @cached_property
     def filter_shape(self) -> tuple[int, ...]:
@@ -106,7 +117,7 @@ class PlanSignature:
     def param_shape(self) -> dict[str, tuple[int, ...]]:
         """Shapes of bias and batch-norm parameters."""
         k, h, w = self.output_chw
-        per_sample = (k, h, w) if self.layout == "NCHW" else (h, w, k)
+        per_sample = (k, h, w) if self.out_layout == "NCHW" else (h, w, k)
         bn = per_sample if self.bn_mode == "per_activation" else (k,)
         return {"bias": (k,), "batchnorm": bn}
 
@@ -144,6 +155,7 @@ class PlanSignature:
             "jaxfuse1",
             f"dtype={dtype_code(self.dtype)}",
             f"layout={self.layout}",
+            *([f"olayout={self.out_layout}"] if self.out_layout != self.layout else []),
             f"in={self.batch},{self.channels},{self.height},{self.width}",
             f"ops={self.ops}",
         ]
@@ -173,5 +185,7 @@ class PlanSignature:
             if self.filter_dtype != self.dtype:
                 geom += f" w:{self.filter_dtype.name}"
         act = f" {self.activation.value}" if self.activation is not None else ""
-        return (f"{self.ops}{act} {self.dtype.name} {self.layout} "
+        layout = (self.layout if self.out_layout == self.layout
+                  else f"{self.layout}>{self.out_layout}")
+        return (f"{self.ops}{act} {self.dtype.name} {layout} "
                 f"{self.batch}x{self.channels}x{self.height}x{self.width}{geom}")

@@ -40,7 +40,8 @@ from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "kernel_filters",
-           "prepare_fused", "refiltered_operands", "solver_mode", "with_filters", "xla_function"]
+           "kernel_forms", "kernel_signature", "prepare_forms", "prepare_fused",
+           "refiltered_operands", "solver_mode", "with_filters", "xla_function"]
 
 logger = logging.getLogger("jaxfuse")
 
@@ -69,13 +70,18 @@ class FusedKernel:
     # The filter layout the kernel reads where it is not the plan's: each call then transposes
     # the plan's filters into it first (see kernel_filters); None: the plan's own.
     filters: str | None = None
+    # The input layout the kernel reads where it is not the plan's: each call transposes the
+    # input into it first, and the kernel writes the plan's layout (see kernel_forms).
+    layout: str | None = None
 
     @property
     def label(self) -> str:
         """The kernel and its tile, e.g. ``conv_wgmma 128x64 s4 b2`` (and ``, OHWI filters``
-        where the filters are transposed for it)."""
+        or ``, NHWC input`` where operands are transposed for it)."""
         tile = dict(self.details).get("tile")
         label = f"{self.solver} {tile}" if tile else self.solver
+        if self.layout:
+            label += f", {self.layout} input"
         return f"{label}, {self.filters} filters" if self.filters else label
 
 
@@ -87,7 +93,6 @@ class FusedKernel:
 # on every call moves 2x their bytes through memory (about 8 us for a 3x3/512 layer's 9.4 MB),
 # which pays where they are reused over many output pixels.
 _TRANSPOSE_MIN_PIXELS = 2048
-_FILTER_PERMUTATION = {("HWIO", "OHWI"): (3, 0, 1, 2)}
 # The kernels the transposed form is for (TF32 on wgmma: 32k input channels per group); any
 # other kernel reads HWIO as fast, and the direct one far slower from OHWI (the ResNet-50 stem,
 # 3 channels, at batch 64 on an H100: 10.2 ms against 2.2 ms).
@@ -112,6 +117,16 @@ def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
     return "OHWI" if signature.batch * p * q >= _TRANSPOSE_MIN_PIXELS else None
 
 
+# NCHW plans on Hopper: the tensor-core kernels gather NCHW activations value by value (a
+# channel's plane is H*W values from the next), at 0.6-1.0x XLA for 3x3 layers, where the
+# copy engine lands NHWC tiles whole. So they may also run a kernel that reads the input
+# transposed to NHWC (one XLA transpose a call, as XLA itself does around cuDNN) with HWIO
+# filters, and writes NCHW from its epilogue. Which form is faster depends on the layer (1x1
+# layers gather fast, and their input may be larger than their output): both are measured
+# (jaxfuse.find.fastest_form).
+_NHWC_FORM_MIN_PIXELS = 2048
+
+
 def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
     """`signature` with its filters in `layout`."""
     assert signature.conv is not None
@@ -119,16 +134,75 @@ def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
         signature, conv=dataclasses.replace(signature.conv, filter_layout=layout))
 
 
-def refiltered_operands(signature: PlanSignature, layout: str,
-                        operands: Sequence[Any]) -> list[Any]:
-    """The primitive's operands for ``with_filters(signature, layout)``: `operands` (those of
-    `signature`) with the filters transposed."""
+def kernel_signature(signature: PlanSignature, filters: str | None = None,
+                     layout: str | None = None) -> PlanSignature:
+    """The signature of the kernel that runs `signature` with its filters in `filters` and its
+    input in `layout` (None: the plan's own); the output keeps the plan's layout."""
+    if filters is not None:
+        signature = with_filters(signature, filters)
+    if layout is not None and layout != signature.layout:
+        signature = dataclasses.replace(signature, layout=layout,
+                                        output_layout=signature.out_layout)
+    return signature
+
+
+_TO_LAYOUT = {("NCHW", "NHWC"): (0, 2, 3, 1), ("NHWC", "NCHW"): (0, 3, 1, 2)}
+
+
+def refiltered_operands(signature: PlanSignature, filters: str | None,
+                        operands: Sequence[Any], layout: str | None = None) -> list[Any]:
+    """The primitive's operands for ``kernel_signature(signature, filters, layout)``:
+    `operands` (those of `signature`) with the filters and the input transposed."""
     assert signature.conv is not None
-    at = [spec.name for spec in signature.operands].index("w")
-    permutation = _FILTER_PERMUTATION[(signature.conv.filter_layout, layout)]
+    names = [spec.name for spec in signature.operands]
     out = list(operands)
-    out[at] = jnp.transpose(out[at], permutation)
+    if filters is not None and filters != signature.conv.filter_layout:
+        at = names.index("w")
+        out[at] = jnp.transpose(out[at], _filter_permutation(signature.conv.filter_layout,
+                                                             filters))
+    if layout is not None and layout != signature.layout:
+        at = names.index("x")
+        out[at] = jnp.transpose(out[at], _TO_LAYOUT[(signature.layout, layout)])
     return out
+
+
+def _filter_permutation(source: str, target: str) -> tuple[int, ...]:
+    """The axes of `source`-ordered filters in `target` order."""
+    return tuple(source.index(axis) for axis in target)
+
+
+def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None, str | None]]:
+    """The (filters, input layout) forms worth compiling for `signature` on `device` besides
+    its own, see above: NCHW 16-bit plans with a convolution on Hopper, with enough output
+    pixels that the transpose is a small part of the call."""
+    c = signature.conv
+    if (c is None or device.platform.lower() == "cpu" or signature.dtype == np.float32
+            or signature.layout != "NCHW" or signature.filter_dtype != signature.dtype
+            or os.environ.get("JAXFUSE_NHWC_FORM") == "0"
+            or str(getattr(device, "compute_capability", "")) != "9.0"):
+        return []
+    _, p, q = signature.output_chw
+    return [("HWIO", "NHWC")] if signature.batch * p * q >= _NHWC_FORM_MIN_PIXELS else []
+
+
+# The kernels that write an output layout other than their input's (csrc/gpu/codegen.cc).
+_LAYOUT_KERNELS = ("conv_tma", "conv_wgmma", "conv_stem")
+
+
+def prepare_forms(signature: PlanSignature, device: Any) -> list[FusedKernel]:
+    """jaxfuse's kernels for `signature` on `device`: :func:`prepare_fused`'s, then one for
+    each of :func:`kernel_forms` that compiles to a kernel it is for (a form that fails is
+    left out; the plan's own form raises as prepare_fused does)."""
+    kernels = [prepare_fused(signature, device)]
+    for filters, layout in kernel_forms(signature, device):
+        try:
+            kernel = _prepare(kernel_signature(signature, filters, layout), device)
+        except FusionError as err:
+            logger.debug("jaxfuse: %s with %s input: %s", signature.describe(), layout, err)
+            continue
+        if kernel.solver in _LAYOUT_KERNELS:
+            kernels.append(dataclasses.replace(kernel, filters=filters, layout=layout))
+    return kernels
 
 
 def prepare_fused(signature: PlanSignature, device: Any) -> FusedKernel:
@@ -174,15 +248,15 @@ def _prepare_gpu(ext: Any, encoded: str, device: Any) -> FusedKernel:
     return FusedKernel(kernel["solver"], details)
 
 
-def fused_function(signature: PlanSignature,
-                   filters: str | None = None) -> Callable[..., jax.Array]:
-    """The fused kernel as a traceable function of the primitive's operands; with `filters`,
-    the kernel for filters in that layout, transposed into it first."""
-    target = signature if filters is None else with_filters(signature, filters)
+def fused_function(signature: PlanSignature, filters: str | None = None,
+                   layout: str | None = None) -> Callable[..., jax.Array]:
+    """The fused kernel as a traceable function of the primitive's operands; with `filters`
+    (`layout`), the kernel for filters (an input) in that layout, transposed into it first."""
+    target = kernel_signature(signature, filters, layout)
 
     def run(*operands: Any) -> jax.Array:
-        if filters is not None:
-            operands = tuple(refiltered_operands(signature, filters, operands))
+        if target != signature:
+            operands = tuple(refiltered_operands(signature, filters, operands, layout))
         return fused_chain_p.bind(*operands, signature=target)
 
     return run
@@ -212,7 +286,7 @@ def _composition(signature: PlanSignature, *operands: Any) -> jax.Array:
     ops = dict(zip((spec.name for spec in signature.operands), operands))
     dtype = signature.dtype
     scalars = dict(zip(SCALARS, (ops["scalars"][i] for i in range(len(SCALARS)))))
-    channel_axis = 1 if signature.layout == "NCHW" else 3
+    channel_axis = 1 if signature.out_layout == "NCHW" else 3
 
     def per_channel(p: Any, bn: bool = False) -> Any:
         p = jnp.asarray(p)
@@ -231,7 +305,7 @@ def _composition(signature: PlanSignature, *operands: Any) -> jax.Array:
                 w = w.astype(dtype)
             y = lax.conv_general_dilated(
                 y, w, c.strides, c.padding, rhs_dilation=c.dilation,
-                dimension_numbers=(signature.layout, c.filter_layout, signature.layout),
+                dimension_numbers=(signature.layout, c.filter_layout, signature.out_layout),
                 feature_group_count=c.groups,
                 precision=None if c.allow_tf32 else lax.Precision.HIGHEST)
             y = y * scalars["conv_alpha"].astype(dtype)

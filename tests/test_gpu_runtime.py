@@ -393,5 +393,52 @@ def test_the_swapped_operand_tiles_are_correct(tmp_path) -> None:
     _run_ok_child(_SWAP_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma sw")
 
 
+# NCHW plans in their NHWC form (input transposed to NHWC, HWIO filters, the kernel writing
+# NCHW planes: jaxfuse.solvers.kernel_forms), the form forced over the measured choice:
+# partial tiles, stride 2, 1x1, 64 output channels (swapped tiles), a side input and
+# per-activation batch norm in NCHW, both 16-bit dtypes, a stem (the stem kernel), and
+# infinities in the input.
+_NHWC_FORM_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case, run_case_with_infinities
+    import jaxfuse.find
+    jaxfuse.find.fastest_form = lambda signature, device, kernels: kernels[-1]
+    gpu = jax.devices("gpu")[0]
+    NCHW = dict(layout="NCHW", filter_layout="OIHW")
+    cases = [
+        Case(ops="CBNA", c=64, k=64, n=2, h=34, w=33, dtype="bfloat16", **NCHW),
+        Case(ops="CBNSA", c=128, k=96, n=4, h=46, w=45, strides=(2, 2), padding="SAME",
+             dtype="float16", **NCHW),
+        Case(ops="CNA", c=256, k=64, n=8, h=17, w=17, r=1, s=1, padding="VALID",
+             bn_mode="per_activation", dtype="bfloat16", **NCHW),
+        Case(ops="CBNSA", c=64, k=128, n=3, h=30, w=31, bn_mode="per_activation",
+             activation="clipped_relu", dtype="float16", **NCHW),
+        Case(ops="CBNA", c=3, k=64, n=2, h=96, w=96, r=7, s=7, strides=(2, 2),
+             padding=((3, 3), (3, 3)), dtype="float16", **NCHW),
+        Case(ops="CBNSA", c=3, k=32, n=3, h=66, w=66, strides=(2, 2), padding="SAME",
+             bn_mode="per_activation", dtype="bfloat16", **NCHW),
+    ]
+    for case in cases:
+        plan, _ = case.build()
+        plan.compile(gpu, solver="fused")
+        info = plan.kernel_info
+        assert info.get("input_layout", "").startswith("NHWC"), (str(case), info)
+        assert info["solver"] in ("conv_tma", "conv_wgmma", "conv_stem"), (str(case), info)
+        run_case(case, gpu, solver="fused")
+    run_case_with_infinities(cases[0], gpu)
+    run_case_with_infinities(cases[4], gpu)
+    print("ok")
+""")
+
+
+# Forced: conv_tma's first tile (conv_stem's staged one for the stems); its swapped tile for
+# 64 channels (conv_wgmma's first tile for the rest); conv_stem's register epilogue.
+@pytest.mark.parametrize("forced", ["conv_tma", "conv_tma sw", "conv_stem r"])
+def test_the_nhwc_form_of_nchw_plans_is_correct(tmp_path, forced: str) -> None:
+    _run_ok_child(_NHWC_FORM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced)
+
+
 def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
     _run_ok_child(_TMA_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma")

@@ -467,3 +467,22 @@ def test_float32_filters_compile(case: Case, arch: str) -> None:
     for out in outs:  # dynamic shared memory and the static table of terms (20 bytes each)
         bn = int(out["tile"].split()[0].split("x")[1]) if converts else 0
         assert out["entries"][0]["shared_bytes"] + 20 * bn <= 227 * 1024, out["tile"]
+
+
+# The NHWC form of NCHW plans (input NHWC, output NCHW: jaxfuse.solvers.kernel_forms): every
+# sm_90 variant compiles, and only kernels that write NCHW from NHWC input are offered.
+@pytest.mark.parametrize("case", [
+    Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", c=64, k=64, n=8,
+         h=56, w=56, bn_mode="per_activation"),
+    Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", c=256, k=256, n=8,
+         h=14, w=14),
+    Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", c=512, k=2048, n=4,
+         h=7, w=7, r=1, s=1, padding="VALID"),
+    Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", c=3, k=64, n=8,
+         h=224, w=224, r=7, s=7, strides=(2, 2), padding=((3, 3), (3, 3))),
+], ids=str)
+def test_the_nhwc_form_compiles_every_variant(case: Case) -> None:
+    from jaxfuse.solvers import kernel_signature
+    encoded = kernel_signature(case.build()[0].signature, "HWIO", "NHWC").encode()
+    solvers = {out["solver"] for out in _sm90_variants(encoded)}
+    assert solvers and solvers <= {"conv_tma", "conv_wgmma", "conv_stem"}, solvers

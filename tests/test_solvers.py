@@ -214,7 +214,7 @@ def test_a_kernel_that_cannot_be_built_is_dropped(monkeypatch, caplog) -> None:
     def broken(signature, device):
         raise FusionError("compiling failed:\nconv_igemm.cuh(56): static assertion failed")
 
-    monkeypatch.setattr(compiled, "prepare_fused", broken)
+    monkeypatch.setattr(compiled, "prepare_forms", broken)
     plan, _ = SMALL.build()
     with caplog.at_level("DEBUG", logger="jaxfuse"):
         plan.compile(solver="auto")
@@ -229,7 +229,7 @@ def test_a_kernel_that_cannot_be_built_is_dropped(monkeypatch, caplog) -> None:
 def test_a_kernel_that_disagrees_with_xla_is_dropped(monkeypatch) -> None:
     real = find.fused_function
 
-    def wrong(signature, filters=None):
+    def wrong(signature, filters=None, layout=None):
         run = real(signature, filters)
         return lambda *operands: run(*operands) * 1.5
 
@@ -247,7 +247,7 @@ def test_a_far_slower_kernel_is_not_timed_further(monkeypatch) -> None:
 
     calls = []
 
-    def slow(signature, filters=None):
+    def slow(signature, filters=None, layout=None):
         run = real(signature, filters)
 
         def wait(*operands):

@@ -99,6 +99,10 @@ std::string Canonical(const PlanSpec& spec) {
                                                                                      : "bf16";
   std::string out = std::string("jaxfuse1;dtype=") + dtype +
                     ";layout=" + (spec.layout == Layout::kNCHW ? "NCHW" : "NHWC") +
+                    (spec.mixed_layouts()
+                         ? std::string(";olayout=") +
+                               (spec.out_layout == Layout::kNCHW ? "NCHW" : "NHWC")
+                         : std::string()) +
                     ";in=" + join({spec.n, spec.c, spec.h, spec.w}) + ";ops=";
   if (spec.has_conv) out += 'C';
   for (PointwiseOp op : spec.pointwise) out += static_cast<char>(op);
@@ -167,7 +171,8 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
     bool seen = false;
   };
   Field named[] = {{"dtype", {}}, {"layout", {}}, {"in", {}}, {"ops", {}},
-                   {"conv", {}},  {"bn", {}},     {"act", {}}, {"wdtype", {}}};
+                   {"conv", {}},  {"bn", {}},     {"act", {}}, {"wdtype", {}},
+                   {"olayout", {}}};
   for (size_t i = 1; i < fields.size(); ++i) {
     const size_t eq = fields[i].find('=');
     if (eq == std::string_view::npos) Fail("field '" + std::string(fields[i]) + "' has no '='");
@@ -183,7 +188,8 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
   const std::string_view dtype_text = named[0].value, layout_text = named[1].value,
                          in_text = named[2].value, ops_text = named[3].value,
                          conv_text = named[4].value, bn_text = named[5].value,
-                         act_text = named[6].value, wdtype_text = named[7].value;
+                         act_text = named[6].value, wdtype_text = named[7].value,
+                         olayout_text = named[8].value;
   if (dtype_text.empty() || layout_text.empty() || in_text.empty() || ops_text.empty()) {
     Fail("needs dtype, layout, in and ops fields");
   }
@@ -194,6 +200,10 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
   if (layout_text == "NCHW") spec.layout = Layout::kNCHW;
   else if (layout_text == "NHWC") spec.layout = Layout::kNHWC;
   else Fail("unknown layout '" + std::string(layout_text) + "'");
+  spec.out_layout = spec.layout;
+  if (olayout_text == "NCHW") spec.out_layout = Layout::kNCHW;
+  else if (olayout_text == "NHWC") spec.out_layout = Layout::kNHWC;
+  else if (!olayout_text.empty()) Fail("unknown olayout '" + std::string(olayout_text) + "'");
   auto dims = Split(in_text, ',');
   if (dims.size() != 4) Fail("'in' needs 4 dimensions (N,C,H,W)");
   spec.n = ParseInt("in", dims[0], 0, kMaxDim);
@@ -259,6 +269,9 @@ PlanSpec PlanSpec::Parse(std::string_view text) {
     spec.out_w = span_w / g.stride_w + 1;
   } else if (!conv_text.empty()) {
     Fail("'conv' given but the plan has no convolution");
+  }
+  if (spec.mixed_layouts() && !spec.has_conv) {
+    Fail("'olayout' differs from 'layout' but the plan has no convolution");
   }
   spec.filter_dtype = spec.dtype;
   if (!wdtype_text.empty()) {

@@ -42,6 +42,10 @@ struct PlanSpec {
   // the convolution would round it, so no separate conversion pass runs on every call).
   DType filter_dtype = DType::kF32;
   Layout layout = Layout::kNCHW;
+  // The output's layout (and the side input's and per-activation parameters'): the input's,
+  // except in a kernel form of NCHW plans (jaxfuse.solvers.kernel_forms) that reads NHWC input
+  // and writes NCHW. Only the Hopper tensor-core and stem kernels write such a form.
+  Layout out_layout = Layout::kNCHW;
   int64_t n = 0, c = 0, h = 0, w = 0;
   bool has_conv = false;
   ConvGeometry conv;
@@ -61,6 +65,8 @@ struct PlanSpec {
   int64_t filter_elements() const { return conv.k * (c / conv.groups) * conv.r * conv.s; }
   // Whether the filters are float32 while the plan computes in a 16-bit dtype.
   bool wide_filters() const { return has_conv && filter_dtype != dtype; }
+  // Whether the output's layout differs from the input's.
+  bool mixed_layouts() const { return out_layout != layout; }
   // Elements of one batch-norm parameter array (per channel or per activation).
   int64_t bn_param_elements() const {
     return bn == BnMode::kPerActivation ? out_c * out_h * out_w : out_c;

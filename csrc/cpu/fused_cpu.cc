@@ -75,6 +75,13 @@ void RunPointwise(const PlanSpec& spec, const FusedParams& buf, const Epilogue& 
 
 }  // namespace
 
+const char* Refuses(const PlanSpec& spec) {
+  return spec.mixed_layouts()
+             ? "the CPU kernels write the input's layout: an output layout of its own is a "
+               "GPU kernel form"
+             : nullptr;
+}
+
 const char* SolverName(const PlanSpec& spec) {
   return spec.has_conv && !UsesPaddedCopy(spec) ? "cpu_direct" : "cpu";
 }

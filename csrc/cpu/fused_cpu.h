@@ -7,8 +7,12 @@
 
 namespace jaxfuse::cpu {
 
+// Why the CPU backend cannot run the plan (a GPU kernel form: mixed layouts), or nullptr.
+const char* Refuses(const PlanSpec& spec);
+
 // Which CPU code runs the plan, for kernel_info: "cpu" (the implicit GEMM, or a pass over the
-// input without a convolution) or "cpu_direct" (conv_direct_cpu.h). Every valid plan has one.
+// input without a convolution) or "cpu_direct" (conv_direct_cpu.h). Every plan it does not
+// refuse has one.
 const char* SolverName(const PlanSpec& spec);
 
 // Runs the plan. Throws std::runtime_error on an internal failure (e.g. out of memory).

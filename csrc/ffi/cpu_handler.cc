@@ -25,6 +25,9 @@ ffi::Error FusedChainCpu(ffi::Dictionary attrs, ffi::RemainingArgs args,
   try {
     std::shared_ptr<const PlanSpec> spec;
     if (ffi::Error err = ParsePlan(attrs, &spec); err.failure()) return err;
+    if (const char* refused = cpu::Refuses(*spec)) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, refused);
+    }
     DecodedOperands decoded;
     if (ffi::Error err = DecodeOperands(*spec, spec->operands(), args, out, &decoded);
         err.failure()) {

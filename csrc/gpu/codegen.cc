@@ -54,6 +54,8 @@ std::string PlanConstants(const PlanSpec& spec) {
     << "constexpr int kDtype = " << static_cast<int>(spec.dtype) << ";\n"
     << "typedef Storage<kDtype> Io;\n"
     << "constexpr bool kNHWC = " << (spec.layout == Layout::kNHWC ? "true" : "false") << ";\n"
+    << "constexpr bool kOutNHWC = " << (spec.out_layout == Layout::kNHWC ? "true" : "false")
+    << ";\n"
     << "constexpr i64 N = " << spec.n << ", C = " << spec.c << ", H = " << spec.h
     << ", W = " << spec.w << ";\n"
     << "constexpr i64 K = " << spec.out_c << ", P = " << spec.out_h << ", Q = " << spec.out_w
@@ -235,7 +237,7 @@ bool IgemmShapeApplies(const PlanSpec& spec, const DeviceInfo& device) {
 
 // The mma.sync kernel (16-bit filters only: fp32 ones of a 16-bit plan take conv_wgmma).
 bool IgemmApplies(const PlanSpec& spec, const DeviceInfo& device) {
-  return IgemmShapeApplies(spec, device) && !spec.wide_filters();
+  return IgemmShapeApplies(spec, device) && !spec.wide_filters() && !spec.mixed_layouts();
 }
 
 // A reduction that is not whole k-tiles and whose taps are not whole 16-byte chunks of NHWC
@@ -313,7 +315,12 @@ bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool dtype_ok = spec.dtype != DType::kF32 || spec.layout == Layout::kNHWC;
   const bool filters_ok = !spec.wide_filters() || (spec.layout == Layout::kNHWC &&
                                                    g.filter_layout != FilterLayout::kOIHW);
-  return IgemmShapeApplies(spec, device) && dtype_ok && filters_ok && device.arch == "sm_90" &&
+  // An output layout of its own (a kernel form of NCHW plans): NHWC input, 16-bit, whose
+  // epilogue writes NCHW planes (implicit_gemm.h: store_chunk_planes).
+  const bool layouts_ok = !spec.mixed_layouts() ||
+                          (spec.layout == Layout::kNHWC && spec.dtype != DType::kF32);
+  return IgemmShapeApplies(spec, device) && dtype_ok && filters_ok && layouts_ok &&
+         device.arch == "sm_90" &&
          (spec.c / g.groups) % HopperKTile(spec) == 0;
 }
 
@@ -732,6 +739,7 @@ struct DepthwiseTile {
 bool IsDepthwise(const PlanSpec& spec) {
   const ConvGeometry& g = spec.conv;
   return g.groups == spec.c && g.k == spec.c && spec.layout == Layout::kNHWC &&
+         !spec.mixed_layouts() &&
          g.filter_layout == FilterLayout::kHWIO && !spec.wide_filters();
 }
 

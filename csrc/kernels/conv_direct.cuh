@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_direct(jaxfuse::F
   for (i64 idx = global_thread_index(); idx < kOutElements; idx += global_thread_count()) {
     // Consecutive threads write consecutive output elements, in the output's own layout.
     i64 n, k, oh, ow, t = idx;
-    if (kNHWC) {
+    if (kOutNHWC) {
       k = t % K; t /= K;
       ow = t % Q; t /= Q;
       oh = t % P; n = t / P;

@@ -16,7 +16,8 @@
 // k-step, n-tile and thread); CTAs are persistent and copy the next tile's windows while they
 // multiply the current one. The epilogue either stages the fp32 tile through shared memory
 // (implicit_gemm.h: store_tile: 16-byte stores) or, with kStaged false, runs the chain on the
-// accumulators in registers and stores each thread's two adjacent channels as one 4-byte word:
+// accumulators in registers and stores each thread's two adjacent channels as one 4-byte word
+// (NCHW output, kOutNHWC false: as two values, a plane apart):
 // no 35 KB staging tile, so more CTAs fit (Nsight Compute on the 7x7/2 stem: 12% occupancy,
 // the shared-memory pipe 72% busy). Rows past the output row are left out.
 //
@@ -227,7 +228,16 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
           for (int half = 0; half < 2; ++half) {
             const int row = warp_m * 32 + mt * 16 + half * 8 + g;
             if (row >= rows) continue;
-            const i64 m = m0 + row, out = m * K + k, param = (m % (P * Q)) * K + k;
+            const i64 m = m0 + row;
+            if constexpr (!kOutNHWC) {  // NCHW output: channels k and k + 1 are planes apart
+              const i64 param = k * (P * Q) + m % (P * Q);
+              const i64 out = m / (P * Q) * K * (P * Q) + param;
+              y[out] = Io::store(ep.apply(acc[mt][nt][2 * half], lo, param, out));
+              y[out + P * Q] = Io::store(
+                  ep.apply(acc[mt][nt][2 * half + 1], hi, param + P * Q, out + P * Q));
+              continue;
+            }
+            const i64 out = m * K + k, param = (m % (P * Q)) * K + k;
             float z0 = 0.0f, z1 = 0.0f;
             if constexpr (Epilogue::kSide) {
               const u32 z = *reinterpret_cast<const u32*>(static_cast<const Io::type*>(p.side) + out);
@@ -257,7 +267,12 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::p
       }
     }
     __syncthreads();
-    store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile_out, terms, m0, 0, 0, y, m0 + rows);
+    if constexpr (kOutNHWC) {
+      store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile_out, terms, m0, 0, 0, y, m0 + rows);
+    } else {
+      store_tile_planes<kBM, kBN, kCPitch, kThreads, 0>(ep, tile_out, terms, m0, 0, 0, y,
+                                                        m0 + rows);
+    }
     __syncthreads();  // the staging tile and this tile's windows are free again
   }
 }

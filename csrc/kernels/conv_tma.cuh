@@ -1,5 +1,6 @@
 // Implicit-GEMM convolution on Hopper (sm_90a), warp-specialized: NHWC activations, fp16/bf16
-// or fp32 through TF32, fp32 accumulation, the plan's chain fused into the epilogue.
+// or fp32 through TF32, fp32 accumulation, the plan's chain fused into the epilogue; NHWC
+// output, or (kOutNHWC false: a kernel form of NCHW plans) NCHW output, plane by plane.
 //
 // A persistent grid (one block per multiprocessor) walks the output tiles of kBM pixels (128;
 // 256 with kSwapAB) x kBN channels. In each block:
@@ -243,7 +244,7 @@ constexpr int kSliceChunks = 64 * (kEpiCols / 8) / 128;
 template <int kSlice>
 JF_DEVICE void load_slice_side(const Epilogue& ep, int thread, i64 m_rows, int n0, i64 group,
                                SideChunk (&side)[kSliceChunks]) {
-  if constexpr (Epilogue::kSide && kSlice < kBN / kEpiCols) {
+  if constexpr (Epilogue::kSide && kOutNHWC && kSlice < kBN / kEpiCols) {
 #pragma unroll
     for (int i = 0; i < kSliceChunks; ++i) {
       const int chunk = thread + 128 * i;
@@ -256,8 +257,9 @@ JF_DEVICE void load_slice_side(const Epilogue& ep, int thread, i64 m_rows, int n
 
 // Side input is loaded a slice ahead (its latency overlapping the previous slice's work),
 // except beside 256-wide tiles' 128 accumulators, where holding any more words spilled
-// (ptxas, sm_90a): those load each chunk's words where they are used.
-constexpr bool kSideAhead = kBN < 256;
+// (ptxas, sm_90a): those load each chunk's words where they are used. (NCHW output reads it
+// value by value with each chunk's chain: store_chunk_planes.)
+constexpr bool kSideAhead = kBN < 256 && kOutNHWC;
 
 // Slice kSlice of one consumer warpgroup's epilogue (columns kSlice * kEpiCols ..), then the
 // next: a compile-time recursion, so every accumulator index stays a constant (a run-time
@@ -292,8 +294,26 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
       }
     }
     tma::sync_threads(barrier, 128);  // the slice (and the terms) are written
+    if constexpr (!kOutNHWC) {
+      // NCHW output: consecutive threads take consecutive rows (pixels), so each of a chunk's
+      // 8 plane stores is coalesced; a quarter-warp's 16-byte reads, rows 68 (or 36) floats
+      // apart, fall on distinct banks.
 #pragma unroll
-    for (int i = 0; i < kSliceChunks; ++i) {
+      for (int i = 0; i < kSliceChunks; ++i) {
+        const int chunk = thread + 128 * i;
+        const int row = chunk % 64, col8 = chunk / 64;
+        const i64 m = m_rows + row;
+        const int k = n0 + kSlice * kEpiCols + col8 * 8;
+        if (m >= M || k >= KG) continue;
+        const float* src = staging + row * kEpiPitch + col8 * 8;
+        const float4 lo = *reinterpret_cast<const float4*>(src);
+        const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+        const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        store_chunk_planes(ep, v, terms + kSlice * kEpiCols + col8 * 8, m, k, group, y);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < (kOutNHWC ? kSliceChunks : 0); ++i) {
       const int chunk = thread + 128 * i;
       const int row = chunk / (kEpiCols / 8), col8 = chunk % (kEpiCols / 8);
       const i64 m = m_rows + row;

@@ -297,11 +297,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   // Accumulators -> shared fp32 tile. wgmma's layout: warp w of the group owns rows 16w..16w+15;
   // registers i, i + 1 (i even) hold columns 8 (i / 4) + 2 (lane % 4) + {0, 1} of row lane / 4
   // (+ 8 when i % 4 == 2).
-  // NCHW reads the tile back a row per lane (16-byte reads of 8 columns), and rows kCPitch = 8
+  // NCHW output reads the tile back a row per lane (16-byte reads of 8 columns), and rows kCPitch = 8
   // banks apart would put rows r and r + 4 on the same banks: column col of row row is stored
   // at col ^ (row & 4), which keeps both these writes (rows r and r + 4 swap halves of their
   // 8-column groups) and those reads free of bank conflicts.
-  constexpr int kFlip = kNHWC ? 0 : 4;
+  constexpr int kFlip = kOutNHWC ? 0 : 4;
   float* tile = reinterpret_cast<float*>(smem + (base - raw));
   const int row0 = warpgroup * 64 + warp_in_group * 16 + lane / 4;
 #pragma unroll
@@ -313,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   Io::type* y = static_cast<Io::type*>(p.y);
   if (kSplits == 1) {
     __syncthreads();
-    if (kNHWC) {
+    if (kOutNHWC) {
       store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group, y);
     } else {
       store_tile_planes<kBM, kBN, kCPitch, kThreads, kFlip>(ep, tile, terms, m0, n0, group, y);
@@ -336,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
       v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w;
       v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
     }
-    if (kNHWC) {
+    if (kOutNHWC) {
       store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
     } else {  // NCHW: the sum goes back to this CTA's tile (its slice: no other CTA reads it)
       float* sum = tile + row * kCPitch + col8 * 8;
@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
       *reinterpret_cast<float4*>(sum + 4) = make_float4(v[4], v[5], v[6], v[7]);
     }
   }
-  if (!kNHWC) {
+  if (!kOutNHWC) {
     __syncthreads();
     store_tile_planes<kRows, kBN, kCPitch, kThreads, kFlip>(
         ep, tile + split * kRows * kCPitch, terms, m0 + split * kRows, n0, group, y);

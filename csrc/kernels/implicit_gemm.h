@@ -7,7 +7,9 @@
 //
 // NCHW plans (kNHWC false) load and store through the policies at the end of this file: A is
 // gathered through registers (a channel's plane is H*W values from the next, so a row of A is
-// not one 16-byte run), and the epilogue stores one value per output channel plane.
+// not one 16-byte run), and the epilogue stores one value per output channel plane. The
+// Hopper and stem kernels also write NCHW output from NHWC input (kOutNHWC false, kNHWC true:
+// a kernel form of NCHW plans, jaxfuse.solvers.kernel_forms).
 #pragma once
 
 namespace jaxfuse {
@@ -280,8 +282,8 @@ JF_DEVICE Vec16 pack_chunk(const Io::type* v) {
   return out;
 }
 
-// NCHW: the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the group),
-// one value per output plane. Lanes hold consecutive pixels, so each store is coalesced.
+// NCHW output: the chain on 8 consecutive channels [k, k + 8) of output pixel m (k within the
+// group), one value per output plane. Lanes hold consecutive pixels, so each store is coalesced.
 JF_DEVICE void store_chunk_planes(const Epilogue& ep, const float (&v)[8],
                                   const Epilogue::Channel* terms, i64 m, int k, i64 group,
                                   Io::type* y) {
@@ -300,19 +302,20 @@ JF_DEVICE void store_chunk_planes(const Epilogue& ep, const float (&v)[8],
   for (int j = 0; j < 8; ++j) y[out + j * kOutPlane] = values[j];
 }
 
-// NCHW: writes a finished tile as store_tile does, a thread per output pixel and 8 channels,
-// consecutive threads on consecutive pixels. The staging tile holds row `row`'s column `col` at
-// col ^ (row & kFlip) (kFlip 0 or 4: conv_wgmma.cuh says why).
+// NCHW output: writes a finished tile as store_tile does, a thread per output pixel and 8
+// channels, consecutive threads on consecutive pixels. The staging tile holds row `row`'s
+// column `col` at col ^ (row & kFlip) (kFlip 0 or 4: conv_wgmma.cuh says why). Rows from
+// output pixel `m_end` on are left out.
 template <int kRows, int kCols, int kPitch, int kThreads, int kFlip>
 JF_DEVICE void store_tile_planes(const Epilogue& ep, const float* tile,
                                  const Epilogue::Channel* terms, i64 m0, int n0, i64 group,
-                                 Io::type* y) {
+                                 Io::type* y, i64 m_end = M) {
   static_assert(kPitch % 4 == 0 && (kFlip == 0 || kFlip == 4), "16-byte reads");
   for (int chunk = threadIdx.x; chunk < kRows * (kCols / 8); chunk += kThreads) {
     const int row = chunk % kRows, col8 = chunk / kRows;
     const i64 m = m0 + row;
     const int k = n0 + col8 * 8;
-    if (m >= M || k >= KG) continue;
+    if (m >= m_end || k >= KG) continue;
     const float* src = tile + row * kPitch + col8 * 8;
     const int flip = row & kFlip;
     const float4 lo = *reinterpret_cast<const float4*>(src + flip);

@@ -102,13 +102,13 @@ def _channels_sharded(sig: PlanSignature, moved: dict[str, tuple[Any, bool]]) ->
 def _channel_axis(sig: PlanSignature, name: str) -> int | None:
     """The channel axis of an (unbatched) operand; None for the scalars."""
     if name in ("x", "side"):
-        return 1 if sig.layout == "NCHW" else 3
+        return 1 if (sig.layout if name == "x" else sig.out_layout) == "NCHW" else 3
     if name == "w":
         return {"OIHW": 0, "HWIO": 3, "OHWI": 0}[sig.conv.filter_layout]
     if name == "scalars":
         return None
     if name != "bias" and sig.bn_mode == "per_activation":  # batch-norm (K,H,W) or (H,W,K)
-        return 0 if sig.layout == "NCHW" else 2
+        return 0 if sig.out_layout == "NCHW" else 2
     return 0  # bias and spatial batch-norm parameters: (K,)
 
 

@@ -113,14 +113,14 @@ def chain_factors(sig: PlanSignature) -> _Factors:
         shardable = ("n", "g")
         sizes = {"n": sig.batch, "g": conv.groups, "ci": per_group_in, "ko": per_group_out}
 
-    def image(c: Dim, spatial: tuple[str, str]) -> tuple[Dim, ...]:
-        return ("n", c, *spatial) if sig.layout == "NCHW" else ("n", *spatial, c)
+    def image(c: Dim, spatial: tuple[str, str], layout: str) -> tuple[Dim, ...]:
+        return ("n", c, *spatial) if layout == "NCHW" else ("n", *spatial, c)
 
-    per_sample = (c_out, *spatial_out) if sig.layout == "NCHW" else (*spatial_out, c_out)
+    per_sample = (c_out, *spatial_out) if sig.out_layout == "NCHW" else (*spatial_out, c_out)
     by_name: dict[str, tuple[Dim, ...]] = {
-        "x": image(c_in, spatial_in),
+        "x": image(c_in, spatial_in, sig.layout),
         "bias": (c_out,),
-        "side": image(c_out, spatial_out),
+        "side": image(c_out, spatial_out, sig.out_layout),
         "scalars": ("z",),
     }
     if conv is not None:
@@ -129,7 +129,7 @@ def chain_factors(sig: PlanSignature) -> _Factors:
     bn = per_sample if sig.bn_mode == "per_activation" else (c_out,)
     by_name.update(dict.fromkeys(("scale", "shift", "mean", "var"), bn))
     return _Factors(tuple(by_name[spec.name] for spec in sig.operands),
-                    image(c_out, spatial_out), shardable, sizes)
+                    image(c_out, spatial_out, sig.out_layout), shardable, sizes)
 
 
 def shard_signature(sig: PlanSignature, shards: dict[str, int]) -> PlanSignature:

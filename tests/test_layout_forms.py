@@ -1,0 +1,172 @@
+"""Fused kernels that read the input in another layout than the plan's (jaxfuse.solvers:
+kernel_forms): NCHW 16-bit plans on Hopper may run a kernel that reads their input transposed
+to NHWC, with HWIO filters, and writes NCHW itself (signature.output_layout). Which plans get
+that form, that the signature of mixed layouts travels to C++ and back, that the form computes
+the plan's result, that the find step keeps the faster form (and remembers it), and that the
+host backend refuses the form with a reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import Case
+
+from jaxfuse import find, solvers
+from jaxfuse._extension import extension
+from jaxfuse.measure import TIMING_SCALARS, random_operands
+from jaxfuse.reference import reference_float64, unfused
+
+HOPPER = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H100")
+AMPERE = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
+CPU = types.SimpleNamespace(platform="cpu")
+
+# 2 x 32 x 32 output pixels: the smallest problem offered the NHWC form.
+BIG = Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=2, c=16, h=32,
+           w=32, k=24, bn_mode="per_activation")
+
+
+def _signature(case: Case):
+    return case.build()[0].signature
+
+
+def _operands(signature, seed: int = 0) -> list:
+    return [*random_operands(signature, jax.devices("cpu")[0], 1, seed=seed)[0],
+            jnp.asarray(TIMING_SCALARS)]
+
+
+@pytest.mark.parametrize("case, target, offered", [
+    (BIG, HOPPER, True),
+    (dataclasses.replace(BIG, dtype="bfloat16", filter_layout="OHWI"), HOPPER, True),
+    (BIG, AMPERE, False),  # the kernels that write NCHW from NHWC input are Hopper's
+    (BIG, CPU, False),
+    (dataclasses.replace(BIG, n=1), HOPPER, False),  # 1024 pixels
+    (dataclasses.replace(BIG, dtype="float32"), HOPPER, False),  # TF32 kernels: NHWC only
+    (dataclasses.replace(BIG, layout="NHWC", filter_layout="HWIO"), HOPPER, False),
+    (dataclasses.replace(BIG, ops="BNA", k=None), HOPPER, False),  # no convolution
+])
+def test_which_plans_get_the_nhwc_form(case: Case, target, offered: bool) -> None:
+    forms = solvers.kernel_forms(_signature(case), target)
+    assert forms == ([("HWIO", "NHWC")] if offered else [])
+
+
+def test_no_nhwc_form_when_switched_off(monkeypatch) -> None:
+    monkeypatch.setenv("JAXFUSE_NHWC_FORM", "0")
+    assert solvers.kernel_forms(_signature(BIG), HOPPER) == []
+
+
+def test_the_form_signature_has_mixed_layouts() -> None:
+    signature = _signature(BIG)
+    form = solvers.kernel_signature(signature, "HWIO", "NHWC")
+    assert (form.layout, form.out_layout, form.conv.filter_layout) == ("NHWC", "NCHW", "HWIO")
+    assert form.input_shape == (2, 32, 32, 16)
+    assert form.output_shape == signature.output_shape == (2, 24, 32, 32)
+    assert [s.shape for s in form.operands if s.name in ("side", "scale")] == \
+        [s.shape for s in signature.operands if s.name in ("side", "scale")]
+    assert "NHWC>NCHW" in form.describe()
+    # C++ parses it and gives back the same canonical form; the plan's own form has no olayout.
+    encoded = form.encode()
+    assert ";olayout=NCHW;" in encoded
+    assert extension().plan_canonical(encoded) == encoded
+    assert "olayout" not in signature.encode()
+    assert solvers.kernel_signature(signature) == signature
+
+
+@pytest.mark.parametrize("text, message", [
+    ("jaxfuse1;dtype=f16;layout=NHWC;olayout=NCHW;in=1,8,4,4;ops=BA;act=3", "no convolution"),
+    ("jaxfuse1;dtype=f16;layout=NHWC;olayout=NCWH;in=1,8,4,4;ops=BA;act=3", "unknown olayout"),
+])
+def test_bad_output_layouts_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        extension().plan_canonical(text)
+
+
+def test_the_host_backend_refuses_the_form() -> None:
+    encoded = solvers.kernel_signature(_signature(BIG), "HWIO", "NHWC").encode()
+    with pytest.raises(ValueError, match="GPU kernel form"):
+        extension().cpu_prepare(encoded)
+    with pytest.raises(solvers.FusionError, match="GPU kernel form"):
+        solvers.prepare_fused(solvers.kernel_signature(_signature(BIG), "HWIO", "NHWC"),
+                              jax.devices("cpu")[0])
+
+
+def test_the_form_computes_the_plan() -> None:
+    """The references and XLA's composition of the form's signature, on the transposed
+    operands, against the plan's own (float64; and the float32 unfused chain, which is what
+    the form's derivative runs)."""
+    signature = dataclasses.replace(_signature(BIG), dtype=np.dtype(np.float32))
+    form = solvers.kernel_signature(signature, "HWIO", "NHWC")
+    operands = _operands(signature, seed=3)
+    moved = solvers.refiltered_operands(signature, "HWIO", operands, "NHWC")
+    assert [tuple(o.shape) for o in moved] == [s.shape for s in form.operands]
+    ref = reference_float64(signature, *operands)
+    np.testing.assert_allclose(reference_float64(form, *moved), ref, rtol=1e-10, atol=1e-10)
+    for fn in (lambda sig, ops: unfused(sig, *ops),
+               lambda sig, ops: solvers.xla_function(sig)(*ops)):
+        np.testing.assert_allclose(np.asarray(fn(form, moved), np.float64),
+                                   np.asarray(fn(signature, operands), np.float64),
+                                   rtol=2e-4, atol=2e-4)
+    # The function the find step times transposes ahead of one primitive of the form.
+    calls = jax.make_jaxpr(solvers.fused_function(signature, "HWIO", "NHWC"))(*operands)
+    bound = [e.params["signature"] for e in calls.jaxpr.eqns
+             if e.primitive.name == "jaxfuse_fused_chain"]
+    permutations = [e.params["permutation"] for e in calls.jaxpr.eqns
+                    if e.primitive.name == "transpose"]
+    assert bound == [form] and sorted(permutations) == [(0, 2, 3, 1), (2, 3, 1, 0)]
+
+
+def test_prepare_forms_keeps_the_forms_that_compile_to_their_kernels(monkeypatch) -> None:
+    signature = _signature(BIG)
+    made = {"NCHW": "conv_wgmma", "NHWC": "conv_tma"}
+
+    def fake_prepare(sig, device):
+        return solvers.FusedKernel(made[sig.layout])
+
+    monkeypatch.setattr(solvers, "_prepare", fake_prepare)
+    kernels = solvers.prepare_forms(signature, HOPPER)
+    assert [(k.solver, k.layout, k.filters) for k in kernels] == \
+        [("conv_wgmma", None, None), ("conv_tma", "NHWC", "HWIO")]
+    assert kernels[1].label == "conv_tma, NHWC input, HWIO filters"
+    made["NHWC"] = "conv_direct"  # not a kernel the form is for
+    assert len(solvers.prepare_forms(signature, HOPPER)) == 1
+
+    def failing(sig, device):
+        if sig.layout == "NHWC":
+            raise solvers.FusionError("no kernel")
+        return solvers.FusedKernel("conv_wgmma")
+
+    monkeypatch.setattr(solvers, "_prepare", failing)
+    assert len(solvers.prepare_forms(signature, HOPPER)) == 1
+
+
+def test_the_faster_form_is_kept_and_remembered(monkeypatch) -> None:
+    signature = _signature(BIG)
+    kernels = [solvers.FusedKernel("conv_wgmma", (("tile", "t"),)),
+               solvers.FusedKernel("conv_tma", (("tile", "u"),), filters="HWIO", layout="NHWC")]
+    timed = []
+
+    def fake_time(sig, device, forms):
+        timed.append(len(forms))
+        return {forms[0].label: 20.0, forms[1].label: 12.5}
+
+    monkeypatch.setattr(find, "_time_forms", fake_time)
+    stored: dict[str, bytes] = {}
+    fake_ext = types.SimpleNamespace(cache_load=stored.get,
+                                     cache_store=stored.__setitem__,
+                                     kernel_sources=extension().kernel_sources,
+                                     cpu_threads=extension().cpu_threads)
+    monkeypatch.setattr(find, "extension", lambda: fake_ext)
+    assert find.fastest_form(signature, HOPPER, kernels) is kernels[1]
+    assert find.fastest_form(signature, HOPPER, kernels) is kernels[1]
+    assert timed == [2] and len(stored) == 1  # the second answer came from the cache
+    # A form that failed to run is not remembered: measured again next time.
+    stored.clear()
+    monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms: {forms[0].label: 9.0})
+    assert find.fastest_form(signature, HOPPER, kernels) is kernels[0]
+    assert not stored
+    monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms: {})
+    assert find.fastest_form(signature, HOPPER, kernels) is kernels[0]
