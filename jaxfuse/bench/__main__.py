@@ -72,8 +72,9 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         timed[mode] = run
         info = plan.kernel_info
         row[f"{mode}_solver"] = " ".join(str(info[k]) for k in ("solver", "tile") if k in info)
-        if "filters" in info:  # the filters transposed into another layout on each call
-            row[f"{mode}_solver"] += f" {info['filters'].split()[0]}"
+        for part in ("input_layout", "filters"):  # operands transposed on each call
+            if part in info:
+                row[f"{mode}_solver"] += f" {info[part].split()[0]}"
         row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args[:1])[0], reference)
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
