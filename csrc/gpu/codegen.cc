@@ -119,7 +119,34 @@ std::string PlanEpilogue(const PlanSpec& spec) {
     s << "    t.bn = bn_fold(p.bn_scale[c], p.bn_shift[c], p.bn_mean[c], p.bn_var[c], "
          "bn_epsilon);\n";
   }
-  s << "    return t;\n  }\n"
+  s << "    return t;\n  }\n";
+  // The same for kN consecutive channels from c (both multiples of 4), the parameters read
+  // 16 bytes at a time where every array is 16-byte aligned (pointwise.cuh: kVectorTerms).
+  s << "  template <int kN>\n"
+    << "  JF_DEVICE void channels(i64 c, Channel (&t)[kN]) const {\n"
+    << "    const bool vectors = ((reinterpret_cast<unsigned long long>(p.bias) | "
+       "reinterpret_cast<unsigned long long>(p.bn_scale) | reinterpret_cast<unsigned long long>(p.bn_shift) | "
+       "reinterpret_cast<unsigned long long>(p.bn_mean) | reinterpret_cast<unsigned long long>(p.bn_var)) & 15) == 0;\n"
+    << "    if (!vectors) {\n"
+    << "      for (int j = 0; j < kN; ++j) t[j] = channel(c + j);\n"
+    << "      return;\n"
+    << "    }\n"
+    << "#pragma unroll\n"
+    << "    for (int j = 0; j < kN; ++j) t[j] = Channel::identity();\n";
+  if (spec.has(PointwiseOp::kBias)) {
+    s << "    float bias[kN];\n    load_floats<kN>(p.bias + c, bias);\n"
+      << "#pragma unroll\n    for (int j = 0; j < kN; ++j) t[j].bias = bias[j];\n";
+  }
+  if (spatial_bn) {
+    s << "    float scale[kN], shift[kN], mean[kN], var[kN];\n"
+      << "    load_floats<kN>(p.bn_scale + c, scale);\n"
+      << "    load_floats<kN>(p.bn_shift + c, shift);\n"
+      << "    load_floats<kN>(p.bn_mean + c, mean);\n"
+      << "    load_floats<kN>(p.bn_var + c, var);\n"
+      << "#pragma unroll\n    for (int j = 0; j < kN; ++j) "
+         "t[j].bn = bn_fold(scale[j], shift[j], mean[j], var[j], bn_epsilon);\n";
+  }
+  s << "  }\n"
     << "  static constexpr bool kSide = " << (spec.has(PointwiseOp::kSideAdd) ? "true" : "false")
     << ";\n"
     << "  // v: the convolution's accumulator (or the input value); param: index into\n"
@@ -377,6 +404,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
   // Outputs too small to occupy the device: split the reduction over a cluster of CTAs.
   const int64_t m = spec.n * spec.out_h * spec.out_w;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  int limit = 4;  // tiles timed by the autotuner (one more for each deep split-K ring)
   for (const int bn : {64, 128}) {
     const int64_t tiles = ((m + 63) / 64) * ((kg + bn - 1) / bn) * g.groups;
     int splits = 1;
@@ -386,10 +414,21 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide);
       t.splits = splits;
       candidates.insert(candidates.begin(), t);
+      // Also a ring as deep as each CTA's share of the reduction (up to 12 stages): at batch
+      // 1 the grid is at most one CTA of one warpgroup per multiprocessor, latency bound
+      // (Nsight Compute, 3x3/512 at batch 1 on an H100: 6% occupancy, DRAM 14% busy), and
+      // every k-tile's copy then goes out at once.
+      const int per_cta = static_cast<int>(std::min<int64_t>(k_tiles / splits, 12));
+      WgmmaTile deep_split = MakeWgmmaTile(64, bn, per_cta, wide);
+      deep_split.splits = splits;
+      if (!wide && per_cta > t.stages && deep_split.stages == per_cta) {
+        candidates.insert(candidates.begin() + 1, deep_split);
+        ++limit;
+      }
     }
   }
   for (const WgmmaTile& t : candidates) {
-    if (all.size() >= 4) break;
+    if (static_cast<int>(all.size()) >= limit) break;
     const bool seen = std::any_of(all.begin(), all.end(), [&](const WgmmaTile& u) {
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages && u.splits == t.splits;
     });
@@ -987,8 +1026,40 @@ std::string WgmmaSwappedFunction(int n, int dtype) {
                    });
 }
 
+// The pointwise kernel's launch: at most 8 blocks of 256 threads per multiprocessor (each then
+// streams several vectors, with kUnroll of them in flight), or one vector per thread for small
+// tensors (the grid's threads cover the tensor; with whole channel vectors per pixel, the
+// threads past a multiple of them idle): jaxfuse_pointwise then loads it first
+// (pointwise.cuh: kSingleVector).
+struct PointwiseLaunch {
+  unsigned grid;
+  bool fixed_channels;  // NHWC, whole 16-byte vectors of channels per pixel
+  bool single;          // one vector a thread
+};
+
+PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& device) {
+  const int lanes = ChunkValues(spec.dtype);
+  const int64_t elements = spec.output_elements();
+  PointwiseLaunch launch;
+  launch.fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
+  launch.grid = std::min(GridFor(elements / lanes + 1, 256, device),
+                         static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
+  int64_t threads = int64_t{launch.grid} * 256;
+  if (launch.fixed_channels) threads -= threads % (spec.c / lanes);
+  launch.single = threads >= elements / lanes;
+  return launch;
+}
+
+// pointwise.cuh's kVectorTerms variant: single vectors of fixed channels, with per-channel
+// parameters to read (bias or spatial batch norm).
+bool PointwiseVectorTermsApply(const PlanSpec& spec, const DeviceInfo& device) {
+  const PointwiseLaunch launch = PointwiseLaunchFor(spec, device);
+  return !spec.has_conv && launch.fixed_channels && launch.single &&
+         (spec.has(PointwiseOp::kBias) || spec.bn == BnMode::kSpatial);
+}
+
 int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
-  if (!spec.has_conv) return 1;
+  if (!spec.has_conv) return PointwiseVectorTermsApply(spec, device) ? 2 : 1;
   if (WgmmaApplies(spec, device)) {
     const size_t tma = TmaApplies(spec, device) ? TmaCandidates(spec, device).size() : 0;
     return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
@@ -1006,26 +1077,22 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
   variant = std::max(variant, 0);  // (indices past a solver's last variant clamp below)
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
-    const int lanes = ChunkValues(spec.dtype);
-    const bool fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
-    // One vector per thread for small tensors; at most 8 blocks per multiprocessor (each then
-    // streams several vectors, with kUnroll of them in flight).
-    const unsigned grid = std::min(GridFor(elements / lanes + 1, 256, device),
-                                   static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
-    // At most one vector a thread (the grid's threads cover the tensor; with whole channel
-    // vectors per pixel, the threads past a multiple of them idle): jaxfuse_pointwise then
-    // loads it first (pointwise.cuh: kSingleVector).
-    int64_t threads = int64_t{grid} * 256;
-    if (fixed_channels) threads -= threads % (spec.c / lanes);
-    const bool single = threads >= elements / lanes;
+    const PointwiseLaunch launch = PointwiseLaunchFor(spec, device);
+    const bool fixed_channels = launch.fixed_channels, single = launch.single;
+    const unsigned grid = launch.grid;
+    // Variant 1 (CountVariants): kVectorTerms, no table.
+    const bool vector_terms = variant == 1 && PointwiseVectorTermsApply(spec, device);
     // pointwise.cuh: kChannelTable.
     const unsigned table_bytes =
-        (!fixed_channels || single) && spec.c <= kMaxTableChannels
+        (!fixed_channels || single) && spec.c <= kMaxTableChannels && !vector_terms
             ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
             : 0;
     out.solver = "pointwise";
+    out.tile = vector_terms ? "vector terms" : "";
     out.source = TranslationUnit(
-        spec, std::string("constexpr bool kSingleVector = ") + (single ? "true" : "false") + ";\n",
+        spec,
+        std::string("constexpr bool kSingleVector = ") + (single ? "true" : "false") +
+            ";\nconstexpr bool kVectorTerms = " + (vector_terms ? "true" : "false") + ";\n",
         {"pointwise.cuh"});
     out.entries.push_back({"jaxfuse_pointwise", grid, 256, table_bytes, 16});
     out.entries.push_back({"jaxfuse_pointwise_scalar", grid, 256, table_bytes, 1});

@@ -23,7 +23,13 @@ constexpr i64 kVectorsPerPixel = C / kLanes;
 // where a thread has a single vector (kSingleVector), whose kLanes channels it would otherwise
 // fold alone from 4 kLanes global loads: the block folds each channel once (one per thread),
 // and its threads read their channels' terms from shared memory (batch 1 is latency bound).
-constexpr bool kChannelTable = (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels;
+//
+// kVectorTerms (a code-generator variant, autotuned against the table): a thread with a single
+// vector of fixed channels reads its kLanes channels' parameters itself, 16 bytes at a time
+// (2 loads per parameter array instead of 8), issued with its vector's load: no block-wide
+// table, no barrier before the first store.
+constexpr bool kChannelTable =
+    (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels && !kVectorTerms;
 
 // Channel of the element at flat index i.
 JF_DEVICE i64 input_channel(i64 i) { return kNHWC ? i % C : (i / (H * W)) % C; }
@@ -80,8 +86,12 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
     stride -= stride % kVectorsPerPixel;
     if (global_thread_index() >= stride) return;  // the few threads past a whole multiple
     const i64 c0 = global_thread_index() % kVectorsPerPixel * kLanes;
+    if constexpr (kVectorTerms) {
+      ep.channels<kFixedChannels ? kLanes : 1>(c0, fixed);
+    } else {
 #pragma unroll
-    for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = terms(c0 + j);
+      for (int j = 0; j < (kFixedChannels ? kLanes : 1); ++j) fixed[j] = terms(c0 + j);
+    }
   }
   // The chain on vector v, whose values `in` holds, stored to y.
   auto run = [&](const Vec16& in, i64 v) {

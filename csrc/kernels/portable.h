@@ -58,6 +58,17 @@ JF_DEVICE Vec16 load16(const void* src) {
 #endif
 }
 
+// kN floats from `src` (16-byte aligned; kN a multiple of 4) in 16-byte loads.
+template <int kN>
+JF_DEVICE void load_floats(const float* src, float (&dst)[kN]) {
+#pragma unroll
+  for (int q = 0; q < kN / 4; ++q) {
+    const Vec16 v = load16(src + 4 * q);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) dst[4 * q + r] = bits_to_float(v.v[r]);
+  }
+}
+
 // Two 16-bit values as one 32-bit word, `lo` at the lower address.
 JF_DEVICE u32 pack_halves(u16 lo, u16 hi) { return u32(lo) | (u32(hi) << 16); }
 JF_DEVICE u32 pack_halves(float, float) { return 0; }  // (never called: generic code)
