@@ -19,9 +19,9 @@ from .signature import PlanSignature
 from .solvers import (
     XLA,
     FusedKernel,
+    form_operands,
     kernel_signature,
     prepare_forms,
-    refiltered_operands,
     solver_mode,
     xla_function,
 )
@@ -93,7 +93,7 @@ class CompiledPlan:
         if self.uses_xla:
             return xla_function(self.signature)(*checked_operands(self.signature, x, *params))
         if self.filters is not None or self.layout is not None:
-            operands = refiltered_operands(self.signature, self.filters,
+            operands = form_operands(self.signature, self.filters,
                                            checked_operands(self.signature, x, *params),
                                            self.layout)
             return fused_chain(kernel_signature(self.signature, self.filters, self.layout),

@@ -39,9 +39,9 @@ from .primitive import fused_chain_p
 from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
-__all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "fused_function", "kernel_filters",
-           "kernel_forms", "kernel_signature", "prepare_forms", "prepare_fused",
-           "refiltered_operands", "solver_mode", "with_filters", "xla_function"]
+__all__ = ["MODES", "XLA", "FusedKernel", "SolverMode", "form_operands", "fused_function",
+           "kernel_filters", "kernel_forms", "kernel_signature", "prepare_forms", "prepare_fused",
+           "solver_mode", "with_filters", "xla_function"]
 
 logger = logging.getLogger("jaxfuse")
 
@@ -149,10 +149,10 @@ def kernel_signature(signature: PlanSignature, filters: str | None = None,
 _TO_LAYOUT = {("NCHW", "NHWC"): (0, 2, 3, 1), ("NHWC", "NCHW"): (0, 3, 1, 2)}
 
 
-def refiltered_operands(signature: PlanSignature, filters: str | None,
+def form_operands(signature: PlanSignature, filters: str | None,
                         operands: Sequence[Any], layout: str | None = None) -> list[Any]:
-    """The primitive's operands for ``kernel_signature(signature, filters, layout)``:
-    `operands` (those of `signature`) with the filters and the input transposed."""
+    """The primitive's operands for the kernel form ``kernel_signature(signature, filters,
+    layout)``: `operands` (those of `signature`) with the filters and the input transposed."""
     assert signature.conv is not None
     names = [spec.name for spec in signature.operands]
     out = list(operands)
@@ -201,7 +201,9 @@ def prepare_forms(signature: PlanSignature, device: Any) -> list[FusedKernel]:
             logger.debug("jaxfuse: %s with %s input: %s", signature.describe(), layout, err)
             continue
         if kernel.solver in _LAYOUT_KERNELS:
-            kernels.append(dataclasses.replace(kernel, filters=filters, layout=layout))
+            own = filters == signature.conv.filter_layout  # (not transposed then)
+            kernels.append(dataclasses.replace(kernel, filters=None if own else filters,
+                                               layout=layout))
     return kernels
 
 
@@ -256,7 +258,7 @@ def fused_function(signature: PlanSignature, filters: str | None = None,
 
     def run(*operands: Any) -> jax.Array:
         if target != signature:
-            operands = tuple(refiltered_operands(signature, filters, operands, layout))
+            operands = tuple(form_operands(signature, filters, operands, layout))
         return fused_chain_p.bind(*operands, signature=target)
 
     return run

@@ -111,12 +111,12 @@ def test_prepare_keeps_the_form_only_for_the_kernels_it_is_for(monkeypatch, prep
     assert kernel.label.endswith(", OHWI filters") == (expected is not None)
 
 
-def test_refiltered_operands_transpose_only_the_filters() -> None:
+def test_form_operands_transpose_only_the_filters() -> None:
     signature = _signature(BIG)
     rng = np.random.default_rng(0)
     operands = [rng.standard_normal(spec.shape).astype(spec.dtype)
                 for spec in signature.operands]
-    out = solvers.refiltered_operands(signature, "OHWI", operands)
+    out = solvers.form_operands(signature, "OHWI", operands)
     target = solvers.with_filters(signature, "OHWI")
     assert [tuple(o.shape) for o in out] == [spec.shape for spec in target.operands]
     w = [spec.name for spec in signature.operands].index("w")

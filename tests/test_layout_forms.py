@@ -101,7 +101,7 @@ def test_the_form_computes_the_plan() -> None:
     signature = dataclasses.replace(_signature(BIG), dtype=np.dtype(np.float32))
     form = solvers.kernel_signature(signature, "HWIO", "NHWC")
     operands = _operands(signature, seed=3)
-    moved = solvers.refiltered_operands(signature, "HWIO", operands, "NHWC")
+    moved = solvers.form_operands(signature, "HWIO", operands, "NHWC")
     assert [tuple(o.shape) for o in moved] == [s.shape for s in form.operands]
     ref = reference_float64(signature, *operands)
     np.testing.assert_allclose(reference_float64(form, *moved), ref, rtol=1e-10, atol=1e-10)
