@@ -6,13 +6,14 @@
 #                                               cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
-# (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_MATCH (a
+# (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_WDTYPE
+# (float32: plans keep float32 filters), LAYER_MATCH (a
 # regular expression on layer names); MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
 # runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
-# NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain]]] runs of scripts/ncu_layer.py profiled by Nsight
+# NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain[:filter dtype]]]] runs of scripts/ncu_layer.py profiled by Nsight
 # Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
 # FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
 #
@@ -87,6 +88,7 @@ if has layers; then
   timeout "${LAYERS_CAP:-300}" $py -m jaxfuse.bench --suite ${LAYER_SUITES:-resnet50 na} \
     --batch ${LAYER_BATCH:-1 64} --dtype ${LAYER_DTYPES:-bfloat16} \
     --layout ${LAYER_LAYOUTS:-NHWC} ${LAYER_FILTERS:+--filter-layout $LAYER_FILTERS} \
+    ${LAYER_WDTYPE:+--filter-dtype $LAYER_WDTYPE} \
     ${LAYER_MATCH:+--layers "$LAYER_MATCH"} --repeats 10 --json "$OUT/layers.json" \
     --plot "$OUT/layers.png" --no-progress > "$OUT/layers.log" 2>&1
   echo "bench exit $? in $(( $(date +%s) - start )) s"
@@ -132,13 +134,14 @@ if has ncu; then
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
   stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
   for run in ${NCU_RUNS:-r50_l3_3x3_256:bfloat16:256}; do
-    IFS=: read -r layer dtype batch layout filters chain <<< "$run"
+    IFS=: read -r layer dtype batch layout filters chain wdtype <<< "$run"
     for which in fused xla; do
       left=$(( deadline - $(date +%s) ))
       (( left > 20 )) || { echo "skipped $run $which: out of time"; continue; }
-      report="$OUT/ncu_${layer}_${dtype}_${batch}_${which}.txt"
+      report="$OUT/ncu_${layer}_${dtype}_${batch}${wdtype:+_w$wdtype}_${which}.txt"
       cmd=($py scripts/ncu_layer.py --layer "$layer" --dtype "$dtype" --batch "$batch"
-           --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --chain "${chain:-CBNA}" --which "$which" --calls 1)
+           --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --chain "${chain:-CBNA}"
+           ${wdtype:+--filter-dtype "$wdtype"} --which "$which" --calls 1)
       # shellcheck disable=SC2086
       timeout "$left" ncu --profile-from-start off --clock-control none $sections $stalls \
         "${cmd[@]}" > "$report" 2>&1 \

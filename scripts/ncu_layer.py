@@ -37,11 +37,14 @@ def main() -> None:
     parser.add_argument("--layout", default="NHWC")
     parser.add_argument("--filter-layout", default=None)
     parser.add_argument("--chain", default="CBNA")
+    parser.add_argument("--filter-dtype", default=None,
+                        help="float32: the plan keeps float32 filters (wdtype=f32)")
     parser.add_argument("--which", choices=["fused", "xla"], default="fused")
     parser.add_argument("--calls", type=int, default=2)
     a = parser.parse_args()
 
-    case = BenchCase.for_layer(a.layer, a.batch, a.dtype, a.layout, a.chain, a.filter_layout)
+    case = BenchCase.for_layer(a.layer, a.batch, a.dtype, a.layout, a.chain, a.filter_layout,
+                               a.filter_dtype)
     device = jax.devices()[0]
     args = case.arg_sets(1, device)[0]
     if a.which == "fused":
