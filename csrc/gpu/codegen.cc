@@ -404,6 +404,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
   // Outputs too small to occupy the device: split the reduction over a cluster of CTAs.
   const int64_t m = spec.n * spec.out_h * spec.out_w;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
+  int limit = 4;  // tiles the autotuner times (one more for each deep split-K ring)
   for (const int bn : {64, 128}) {
     const int64_t tiles = ((m + 63) / 64) * ((kg + bn - 1) / bn) * g.groups;
     int splits = 1;
@@ -413,10 +414,22 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide);
       t.splits = splits;
       candidates.insert(candidates.begin(), t);
+      // Also a ring as deep as each CTA's share of the reduction (up to 12 stages): at batch
+      // 1 the grid is at most one CTA of one warpgroup per multiprocessor, latency bound
+      // (Nsight Compute, 3x3/512 at batch 1 on an H100: 6% occupancy, DRAM 14% busy), and
+      // every k-tile's copy then goes out at once. (It only shows where the filters come
+      // from DRAM, as the autotuner now times small problems: autotune.cc.)
+      const int per_cta = static_cast<int>(std::min<int64_t>(k_tiles / splits, 12));
+      WgmmaTile deep = MakeWgmmaTile(64, bn, per_cta, wide);
+      deep.splits = splits;
+      if (!wide && per_cta > t.stages && deep.stages == per_cta) {
+        candidates.insert(candidates.begin() + 1, deep);
+        ++limit;
+      }
     }
   }
   for (const WgmmaTile& t : candidates) {
-    if (all.size() >= 4) break;
+    if (static_cast<int>(all.size()) >= limit) break;
     const bool seen = std::any_of(all.begin(), all.end(), [&](const WgmmaTile& u) {
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages && u.splits == t.splits;
     });

@@ -219,6 +219,7 @@ constexpr int kCuAttrSmCount = 16;
 constexpr int kCuAttrCcMajor = 75;
 constexpr int kCuAttrCcMinor = 76;
 constexpr int kCuAttrSmemOptin = 97;
+constexpr int kCuAttrL2Bytes = 38;
 constexpr int kCuFuncAttrMaxDynamicSmem = 8;
 }  // namespace
 
@@ -350,6 +351,14 @@ DeviceInfo Driver::Query(int ordinal) const {
         "reading the shared-memory limit");
   info.arch = "sm_" + std::to_string(major * 10 + minor);
   return info;
+}
+
+size_t Driver::L2Bytes(int ordinal) const {
+  if (platform_ == Platform::kRocm) return 0;
+  int device = 0, bytes = 0;
+  Check(api_->device_get(&device, ordinal), "looking up the device");
+  Check(api_->device_attribute(&bytes, kCuAttrL2Bytes, device), "reading the L2 size");
+  return static_cast<size_t>(std::max(bytes, 0));
 }
 
 void Driver::Register(int ordinal, const DeviceInfo& info) const {
@@ -539,7 +548,8 @@ void Driver::DestroyStream(int ordinal, void* stream) const {
 }
 
 double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
-                            const FusedParams& params, int repeats) const {
+                            const FusedParams& params, int repeats, void* flush,
+                            size_t flush_bytes) const {
   ContextScope scope(*this, ordinal);
   Handle stream = nullptr;
   Check(api_->stream_create(&stream, 1), "creating a stream");  // 1: non-blocking
@@ -549,6 +559,10 @@ double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry
     for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
     Launch(function, entry, stream, params);  // warm-up
     for (int i = 0; i < repeats; ++i) {
+      if (flush != nullptr) {
+        Check(api_->memset_d8_async(flush, static_cast<unsigned char>(i), flush_bytes, stream),
+              "flushing L2");
+      }
       Check(api_->event_record(events[2 * i], stream), "recording an event");
       Launch(function, entry, stream, params);
       Check(api_->event_record(events[2 * i + 1], stream), "recording an event");

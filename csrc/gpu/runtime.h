@@ -78,9 +78,14 @@ class Driver {
   void Free(int ordinal, void* device_ptr) const;
   void CopyToDevice(int ordinal, void* dst, const void* src, size_t bytes) const;
   void CopyToHost(int ordinal, void* dst, const void* src, size_t bytes) const;
-  // Median milliseconds of `repeats` launches (after one warm-up) on a private stream.
+  // Median milliseconds of `repeats` launches (after one warm-up) on a private stream. With
+  // `flush` (`flush_bytes` of device memory, larger than L2), the stream overwrites it before
+  // each timed launch, so every launch finds its buffers in DRAM, not in L2.
   double TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
-                      const FusedParams& params, int repeats) const;
+                      const FusedParams& params, int repeats, void* flush = nullptr,
+                      size_t flush_bytes = 0) const;
+  // The device's L2 cache in bytes (0 where it cannot be read: ROCm's attribute numbering).
+  size_t L2Bytes(int ordinal) const;
 
   // Timing events in the device's primary context (the one XLA uses), recorded on any stream.
   void* CreateEvent(int ordinal) const;
