@@ -446,8 +446,6 @@ std::string WgmmaConstants(const WgmmaTile& t) {
   s << "constexpr int kBM = " << t.bm << ", kBN = " << t.bn << ";\n"
     << "constexpr int kStages = " << t.stages << ", kMinBlocks = " << t.min_blocks << ";\n"
     << "constexpr int kSmemBytes = " << t.SmemBytes() << ", kSplits = " << t.splits << ";\n"
-    << "constexpr bool kProxyFence = "
-    << (std::getenv("JAXFUSE_EXPERIMENT_NO_PROXY_FENCE") != nullptr ? "false" : "true") << ";\n"
     << "}  // namespace plan\n}  // namespace jaxfuse\n";
   // Only split-K kernels are launched as clusters.
   if (t.splits > 1) {

@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
     convert_b(stage(kt % kStages) + kATileBytes, tid);
-    if (kProxyFence) wgmma::fence_shared_for_async();  // this thread's copies, for wgmma
+    wgmma::fence_shared_for_async();  // this thread's copies, visible to the tensor cores
     __syncthreads();                  // ... and everyone's; stage kt - 2 is no longer read
     wgmma::fence();
     multiply_stage(stage(kt % kStages), warpgroup, acc);
