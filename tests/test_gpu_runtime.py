@@ -187,8 +187,8 @@ _VARIANTS_CHILD = textwrap.dedent("""
                       filter_dtype="float32"),
                  Case(ops="CBNA", c=16, k=24, n=2, h=9, w=8, dtype="float16",
                       filter_dtype="float32", **NCHW),
-                 # Batch 1, a long reduction: split-K rings as deep as a CTA's share
-                 # (variants 2 and 4: 9 stages), a side input.
+                 # Batch 1, a long reduction: split-K with a ring that holds a CTA's whole
+                 # share in flight (variant 3: 11 stages), a side input.
                  Case(ops="CBNSA", c=512, k=128, n=1, h=7, w=7, dtype="bfloat16", **NHWC),
                  # Pointwise plans small enough for one vector a thread: variant 1 reads each
                  # thread's channel terms itself (16-byte loads), variant 0 a block table.

@@ -414,12 +414,14 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide);
       t.splits = splits;
       candidates.insert(candidates.begin(), t);
-      // Also a ring as deep as each CTA's share of the reduction (up to 12 stages): at batch
+      // Also a ring that holds each CTA's whole share of the reduction in flight (its
+      // k-tiles plus the two stages the pipeline keeps behind the copies; up to 12): at batch
       // 1 the grid is at most one CTA of one warpgroup per multiprocessor, latency bound
       // (Nsight Compute, 3x3/512 at batch 1 on an H100: 6% occupancy, DRAM 14% busy), and
       // every k-tile's copy then goes out at once. (It only shows where the filters come
       // from DRAM, as the autotuner now times small problems: autotune.cc.)
-      const int per_cta = static_cast<int>(std::min<int64_t>(k_tiles / splits, 12));
+      const int per_cta = static_cast<int>(
+          std::min<int64_t>((k_tiles + splits - 1) / splits + 2, 12));
       WgmmaTile deep = MakeWgmmaTile(64, bn, per_cta, wide);
       deep.splits = splits;
       if (!wide && per_cta > t.stages && deep.stages == per_cta) {
