@@ -50,7 +50,7 @@ class CompiledPlan:
     filters: str | None = None
     # The input layout the fused kernel reads, where each call transposes the plan's input
     # into it (jaxfuse.solvers.kernel_forms); None: the plan's own.
-    layout: str | None = None
+    input_layout: str | None = None
     times_us: tuple[tuple[str, float], ...] = ()  # measured cost per run, by candidate
     device_us: tuple[tuple[str, float], ...] = ()  # its parts: device time (GPUs) ...
     host_us: tuple[tuple[str, float], ...] = ()  # ... and the host's launch work
@@ -75,8 +75,8 @@ class CompiledPlan:
             info["fused_kernel"] = self.fused_kernel
         if self.filters is not None and not self.uses_xla:
             info["filters"] = f"{self.filters} (transposed on each call)"
-        if self.layout is not None and not self.uses_xla:
-            info["input_layout"] = f"{self.layout} (transposed on each call)"
+        if self.input_layout is not None and not self.uses_xla:
+            info["input_layout"] = f"{self.input_layout} (transposed on each call)"
         if self.times_us:
             info["candidates_us"] = dict(self.times_us)
         if self.host_us:
@@ -92,12 +92,12 @@ class CompiledPlan:
         """Runs the chain with the chosen solver (traceable; operands as for fused_chain)."""
         if self.uses_xla:
             return xla_function(self.signature)(*checked_operands(self.signature, x, *params))
-        if self.filters is not None or self.layout is not None:
+        if self.filters is not None or self.input_layout is not None:
             operands = form_operands(self.signature, self.filters,
-                                           checked_operands(self.signature, x, *params),
-                                           self.layout)
-            return fused_chain(kernel_signature(self.signature, self.filters, self.layout),
-                               *operands)
+                                     checked_operands(self.signature, x, *params),
+                                     self.input_layout)
+            return fused_chain(
+                kernel_signature(self.signature, self.filters, self.input_layout), *operands)
         return fused_chain(self.signature, x, *params)
 
 
@@ -172,7 +172,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
                             **common)
     prepared = time.perf_counter()
     common.update(details=fused.details, fused_kernel=fused.label, filters=fused.filters,
-                  layout=fused.layout)
+                  input_layout=fused.input_layout)
     if mode == "fused":
         return CompiledPlan(kernel=fused.solver, seconds=(("kernel", prepared - start),),
                             **common)

@@ -146,7 +146,8 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
         outputs: dict[str, Any] = {}
         harnesses: dict[str, Harness] = {}
         # XLA first: a fused kernel already _GIVE_UP times slower is not timed further.
-        fused = functools.partial(fused_function, filters=kernel.filters, layout=kernel.layout)
+        fused = functools.partial(fused_function, filters=kernel.filters,
+                                  layout=kernel.input_layout)
         for name, make in ((XLA, xla_function), (FUSED, fused)):
             limit = (give_up_limit(times[XLA] * 1e-6)
                      if name == FUSED and XLA in times else None)
@@ -190,7 +191,8 @@ def fastest_form(signature: PlanSignature, device: Any,
     """The fastest of `kernels`, jaxfuse's kernels for `signature` in different forms
     (jaxfuse.solvers.prepare_forms), timed on `device` as :func:`choose` times candidates
     (transposes included); from the disk cache when measured before. A form that fails to run
-    is dropped; the first kernel (the plan's own form) is kept if every one fails."""
+    or disagrees with the first that ran is dropped; the first kernel (the plan's own form) is
+    kept if every one fails."""
     labels = [kernel.label for kernel in kernels]
     key = (f"jaxfuse-form-v1|{_environment_key(device.device_kind, device.platform.lower())}|"
            f"{'|'.join(labels)}|{signature.encode()}")
@@ -212,7 +214,9 @@ def fastest_form(signature: PlanSignature, device: Any,
 
 def _time_forms(signature: PlanSignature, device: Any,
                 kernels: list[FusedKernel]) -> dict[str, float]:
+    """Microseconds per run of each form that runs and agrees with the first that ran."""
     times: dict[str, float] = {}
+    reference = None
     with device_timing():
         try:
             sets = random_operands(signature, device, set_count(signature, device))
@@ -222,11 +226,19 @@ def _time_forms(signature: PlanSignature, device: Any,
         for kernel in kernels:
             try:
                 harness = Harness.compile(
-                    fused_function(signature, kernel.filters, kernel.layout), sets, device)
-                times[kernel.label] = harness.run()[1].cost * 1e6
+                    fused_function(signature, kernel.filters, kernel.input_layout), sets, device)
+                outputs, timing = harness.run()
             except Exception as err:
                 logger.debug("jaxfuse: %s form %s failed: %s", signature.describe(),
                              kernel.label, err)
+                continue
+            if reference is None:
+                reference = outputs
+            elif not relative_error(outputs, reference) <= _TOLERANCE[signature.dtype.name]:
+                logger.warning("jaxfuse: the %s form of %s disagrees with the plan's own; it is "
+                               "not used", kernel.label, signature.describe())
+                continue
+            times[kernel.label] = timing.cost * 1e6
     return times
 
 

@@ -159,8 +159,9 @@ class FusionPlan:
         also split into ``candidates_device_us`` and ``candidates_host_us``, the launch work)
         and why any candidate ``failed``; on GPUs the fused kernel's ``tile``, autotuned
         ``variant``, ``arch`` and binary ``origin``, and ``filters`` where the kernel reads
-        the filters in another layout, transposed into it on each call (fp32 on Hopper).
-        Empty before ``compile()``."""
+        the filters in another layout, transposed into it on each call (fp32 on Hopper), or
+        ``input_layout`` where it reads the input so (NCHW on Hopper: an NHWC kernel that
+        writes NCHW). Empty before ``compile()``."""
         if not self.is_compiled:
             return {}
         return self._compiled.info()
@@ -173,7 +174,7 @@ class FusionPlan:
     def output_desc(self) -> TensorDesc:
         """The result's descriptor, inferred from the input descriptor and the operators."""
         sig = self.signature
-        return TensorDesc(sig.output_shape, sig.dtype, sig.layout)
+        return TensorDesc(sig.output_shape, sig.dtype, sig.out_layout)
 
     # ----- executing --------------------------------------------------------------------------
     def execute(self, x: Any, args: OperatorArgs) -> jax.Array:

@@ -65,9 +65,16 @@ class PlanSignature:
     bn_mode: str | None = None
     activation: ActivationMode | None = None
     # The output's layout where it is not the input's (None: the input's). Plans always have
-    # one layout; this is a kernel form (jaxfuse.solvers.kernel_form): NCHW plans on Hopper
+    # one layout; this is a kernel form (jaxfuse.solvers.kernel_forms): NCHW plans on Hopper
     # can run a kernel that reads their input transposed to NHWC and writes NCHW itself.
     output_layout: str | None = None
+
+    def __post_init__(self) -> None:
+        # One spelling of each signature: equal ones must hash equal (compile caches).
+        if self.output_layout == self.layout:
+            object.__setattr__(self, "output_layout", None)
+        if self.output_layout not in (None, "NCHW", "NHWC"):
+            raise ValueError(f"output_layout must be NCHW or NHWC, not {self.output_layout!r}")
 
     @property
     def out_layout(self) -> str:

@@ -72,7 +72,7 @@ class FusedKernel:
     filters: str | None = None
     # The input layout the kernel reads where it is not the plan's: each call transposes the
     # input into it first, and the kernel writes the plan's layout (see kernel_forms).
-    layout: str | None = None
+    input_layout: str | None = None
 
     @property
     def label(self) -> str:
@@ -80,8 +80,8 @@ class FusedKernel:
         or ``, NHWC input`` where operands are transposed for it)."""
         tile = dict(self.details).get("tile")
         label = f"{self.solver} {tile}" if tile else self.solver
-        if self.layout:
-            label += f", {self.layout} input"
+        if self.input_layout:
+            label += f", {self.input_layout} input"
         return f"{label}, {self.filters} filters" if self.filters else label
 
 
@@ -150,7 +150,7 @@ _TO_LAYOUT = {("NCHW", "NHWC"): (0, 2, 3, 1), ("NHWC", "NCHW"): (0, 3, 1, 2)}
 
 
 def form_operands(signature: PlanSignature, filters: str | None,
-                        operands: Sequence[Any], layout: str | None = None) -> list[Any]:
+                  operands: Sequence[Any], layout: str | None = None) -> list[Any]:
     """The primitive's operands for the kernel form ``kernel_signature(signature, filters,
     layout)``: `operands` (those of `signature`) with the filters and the input transposed."""
     assert signature.conv is not None
@@ -173,8 +173,9 @@ def _filter_permutation(source: str, target: str) -> tuple[int, ...]:
 
 def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None, str | None]]:
     """The (filters, input layout) forms worth compiling for `signature` on `device` besides
-    its own, see above: NCHW 16-bit plans with a convolution on Hopper, with enough output
-    pixels that the transpose is a small part of the call."""
+    its own, see above: NCHW 16-bit plans with a convolution on Hopper that the kernels which
+    write the form take (64-channel groups, or a few-channel stem), with enough output pixels
+    that the transpose is a small part of the call."""
     c = signature.conv
     if (c is None or device.platform.lower() == "cpu" or signature.dtype == np.float32
             or signature.layout != "NCHW" or signature.filter_dtype != signature.dtype
@@ -182,7 +183,13 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return []
     _, p, q = signature.output_chw
-    return [("HWIO", "NHWC")] if signature.batch * p * q >= _NHWC_FORM_MIN_PIXELS else []
+    per_group = signature.channels // c.groups
+    # (csrc/gpu/codegen.cc: WgmmaApplies' 64-channel k-tiles, StemApplies' few channels)
+    tensor_cores = per_group % 64 == 0 or (signature.channels <= 4 and c.groups == 1
+                                           and c.dilation == (1, 1))
+    if not tensor_cores or signature.batch * p * q < _NHWC_FORM_MIN_PIXELS:
+        return []
+    return [("HWIO", "NHWC")]
 
 
 # The kernels that write an output layout other than their input's (csrc/gpu/codegen.cc).
@@ -203,7 +210,7 @@ def prepare_forms(signature: PlanSignature, device: Any) -> list[FusedKernel]:
         if kernel.solver in _LAYOUT_KERNELS:
             own = filters == signature.conv.filter_layout  # (not transposed then)
             kernels.append(dataclasses.replace(kernel, filters=None if own else filters,
-                                               layout=layout))
+                                               input_layout=layout))
     return kernels
 
 

@@ -26,7 +26,7 @@ AMPERE = types.SimpleNamespace(platform="gpu", compute_capability="8.0")
 CPU = types.SimpleNamespace(platform="cpu")
 
 # 2 x 32 x 32 output pixels: the smallest problem offered the NHWC form.
-BIG = Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=2, c=16, h=32,
+BIG = Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=2, c=64, h=32,
            w=32, k=24, bn_mode="per_activation")
 
 
@@ -63,7 +63,7 @@ def test_the_form_signature_has_mixed_layouts() -> None:
     signature = _signature(BIG)
     form = solvers.kernel_signature(signature, "HWIO", "NHWC")
     assert (form.layout, form.out_layout, form.conv.filter_layout) == ("NHWC", "NCHW", "HWIO")
-    assert form.input_shape == (2, 32, 32, 16)
+    assert form.input_shape == (2, 32, 32, 64)
     assert form.output_shape == signature.output_shape == (2, 24, 32, 32)
     assert [s.shape for s in form.operands if s.name in ("side", "scale")] == \
         [s.shape for s in signature.operands if s.name in ("side", "scale")]
@@ -128,7 +128,7 @@ def test_prepare_forms_keeps_the_forms_that_compile_to_their_kernels(monkeypatch
 
     monkeypatch.setattr(solvers, "_prepare", fake_prepare)
     kernels = solvers.prepare_forms(signature, HOPPER)
-    assert [(k.solver, k.layout, k.filters) for k in kernels] == \
+    assert [(k.solver, k.input_layout, k.filters) for k in kernels] == \
         [("conv_wgmma", None, None), ("conv_tma", "NHWC", "HWIO")]
     assert kernels[1].label == "conv_tma, NHWC input, HWIO filters"
     made["NHWC"] = "conv_direct"  # not a kernel the form is for
@@ -146,7 +146,8 @@ def test_prepare_forms_keeps_the_forms_that_compile_to_their_kernels(monkeypatch
 def test_the_faster_form_is_kept_and_remembered(monkeypatch) -> None:
     signature = _signature(BIG)
     kernels = [solvers.FusedKernel("conv_wgmma", (("tile", "t"),)),
-               solvers.FusedKernel("conv_tma", (("tile", "u"),), filters="HWIO", layout="NHWC")]
+               solvers.FusedKernel("conv_tma", (("tile", "u"),), filters="HWIO",
+                                     input_layout="NHWC")]
     timed = []
 
     def fake_time(sig, device, forms):
@@ -170,3 +171,72 @@ def test_the_faster_form_is_kept_and_remembered(monkeypatch) -> None:
     assert not stored
     monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms: {})
     assert find.fastest_form(signature, HOPPER, kernels) is kernels[0]
+
+
+def test_vmap_of_the_form_folds_into_its_output_layout() -> None:
+    """The batching rule on a form signature (input NHWC, output NCHW), the unfused chain
+    standing in for the kernel: vmapped filters fold into channel groups and the result is
+    split at the output's channel axis; the same for vmapped inputs (batch) and scalars."""
+    from jaxfuse.reference import unfused
+    from jaxfuse.transforms.batching import batching_rule
+
+    signature = dataclasses.replace(_signature(BIG), dtype=np.dtype(np.float32))
+    form = solvers.kernel_signature(signature, "HWIO", "NHWC")
+    rule = batching_rule(lambda sig, *ops: unfused(sig, *ops))
+    examples = [solvers.form_operands(signature, "HWIO", _operands(signature, seed=s), "NHWC")
+                for s in range(3)]
+    names = [spec.name for spec in form.operands]
+    for batched in ({"w", "bias", "scale"}, {"x", "side"}, {"w", "scalars"}):
+        args = [jnp.stack([e[i] for e in examples]) if n in batched else examples[0][i]
+                for i, n in enumerate(names)]
+        dims = [0 if n in batched else None for n in names]
+        out, axis = rule(args, dims, signature=form)
+        assert axis == 0 and out.shape == (3, *form.output_shape)
+        for b in range(3):
+            ops = [examples[b][i] if n in batched else examples[0][i]
+                   for i, n in enumerate(names)]
+            np.testing.assert_allclose(np.asarray(out[b]), np.asarray(unfused(form, *ops)),
+                                       rtol=2e-4, atol=2e-4)
+
+
+def test_a_signature_has_one_spelling() -> None:
+    signature = _signature(BIG)
+    same = dataclasses.replace(signature, output_layout=signature.layout)
+    assert same.output_layout is None and same == signature and hash(same) == hash(signature)
+    with pytest.raises(ValueError, match="output_layout"):
+        dataclasses.replace(signature, output_layout="NWHC")
+
+
+def test_forms_are_offered_only_where_a_kernel_writes_them() -> None:
+    # (64-channel groups for the Hopper kernels, few channels for the stem kernel)
+    for case, offered in [(dataclasses.replace(BIG, c=64, k=64), True),
+                          (dataclasses.replace(BIG, c=3, k=64, r=7, s=7, h=64, w=64), True),
+                          (dataclasses.replace(BIG, c=96, k=96), False),
+                          (dataclasses.replace(BIG, c=128, k=128, groups=128), False)]:
+        assert bool(solvers.kernel_forms(_signature(case), HOPPER)) == offered, case
+
+
+def test_a_form_that_disagrees_is_not_kept(monkeypatch) -> None:
+    """fastest_form's timing drops a form whose result differs from the plan's own form."""
+    signature = dataclasses.replace(_signature(dataclasses.replace(BIG, c=64, k=64)),
+                                    dtype=np.dtype(np.float32))
+    kernels = [solvers.FusedKernel("own"), solvers.FusedKernel("form", input_layout="NHWC")]
+    outputs = {None: jnp.ones((2, 3)), "NHWC": jnp.full((2, 3), 2.0)}
+
+    class FakeHarness:
+        def __init__(self, layout):
+            self.layout = layout
+
+        def run(self):
+            return outputs[self.layout], types.SimpleNamespace(cost=1e-6)
+
+    monkeypatch.setattr(find.Harness, "compile",
+                        staticmethod(lambda fn, sets, device: FakeHarness(fn.layout)))
+    monkeypatch.setattr(find, "fused_function",
+                        lambda sig, filters, layout: types.SimpleNamespace(layout=layout))
+    monkeypatch.setattr(find, "random_operands", lambda *args: [])
+    monkeypatch.setattr(find, "set_count", lambda *args: 1)
+    cpu = jax.devices("cpu")[0]
+    assert find._time_forms(signature, cpu, kernels) == {"own": 1.0}
+    outputs["NHWC"] = jnp.ones((2, 3))
+    assert find._time_forms(signature, cpu, kernels) == {"own": 1.0, "form, NHWC input": 1.0}

@@ -44,7 +44,8 @@ struct PlanSpec {
   Layout layout = Layout::kNCHW;
   // The output's layout (and the side input's and per-activation parameters'): the input's,
   // except in a kernel form of NCHW plans (jaxfuse.solvers.kernel_forms) that reads NHWC input
-  // and writes NCHW. Only the Hopper tensor-core and stem kernels write such a form.
+  // and writes NCHW. Written by the Hopper tensor-core kernels, the stem kernel and the direct
+  // kernel (their fallback for misaligned buffers); the host backend refuses it.
   Layout out_layout = Layout::kNCHW;
   int64_t n = 0, c = 0, h = 0, w = 0;
   bool has_conv = false;

@@ -42,6 +42,13 @@ class Buffers {
     return device;
   }
 
+  // `bytes` of device memory, contents undefined.
+  void* Allocate(size_t bytes) {
+    void* device = driver_.Allocate(ordinal_, bytes);
+    owned_.push_back(device);
+    return device;
+  }
+
   void* Floats(const std::vector<float>& values) {
     void* device = driver_.Allocate(ordinal_, values.size() * sizeof(float));
     owned_.push_back(device);
@@ -122,31 +129,25 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
   p.y = buffers.Random(spec.output_elements(), spec.dtype, 0, 1, &rng);
 
   // Small problems fit in L2, where repeated launches on one set of buffers would find them
-  // all: at batch 1 a layer's filters come from DRAM in a network (read once a forward), and
-  // kernels that keep more copies in flight win there but not from L2 (the Hopper kernels'
-  // split-K rings at batch 1). So below twice L2's size, each timed launch follows an
-  // overwrite of a buffer of that size.
-  const size_t l2 = driver.L2Bytes(ordinal);
-  const double footprint = double(spec.input_elements() + spec.output_elements()) *
-                               dtype_size(spec.dtype) +
-                           double(spec.filter_elements()) * dtype_size(spec.filter_dtype);
+  // all: at small batch a layer's filters come from DRAM in a network (read once a forward),
+  // and kernels that keep more copies in flight win there but not from L2 (the Hopper
+  // kernels' split-K rings at batch 1). So for problems of at most half the L2, each timed
+  // launch follows an overwrite of a buffer twice its size (larger ones spill out of L2 on
+  // their own; their inputs, a network's previous outputs, may well be in it).
   void* flush = nullptr;
-  const size_t flush_bytes = 2 * l2;
-  if (l2 > 0 && footprint < 2.0 * l2) {
-    try {
-      flush = driver.Allocate(ordinal, flush_bytes);
-    } catch (const std::exception&) {
-      flush = nullptr;  // no room: time warm, as before
+  size_t flush_bytes = 0;
+  try {
+    const size_t l2 = driver.L2Bytes(ordinal);
+    const double footprint = double(spec.input_elements() + spec.output_elements()) *
+                                 dtype_size(spec.dtype) +
+                             double(spec.filter_elements()) * dtype_size(spec.filter_dtype);
+    if (l2 > 0 && footprint <= 0.5 * double(l2)) {
+      flush_bytes = 2 * l2;
+      flush = buffers.Allocate(flush_bytes);
     }
+  } catch (const std::exception&) {
+    flush = nullptr;  // no attribute or no room: time warm, as before
   }
-  struct FlushBuffer {
-    const Driver& driver;
-    int ordinal;
-    void* p;
-    ~FlushBuffer() {
-      if (p != nullptr) driver.Free(ordinal, p);
-    }
-  } flush_owner{driver, ordinal, flush};
 
   std::vector<float> reference, output(spec.output_elements());
   std::vector<unsigned char> raw(out_bytes);

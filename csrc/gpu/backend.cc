@@ -76,7 +76,7 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   DiskCache& disk = DiskCache::Global();
   const std::string key =
       CacheKey(platform, device.arch, compiler.version(), GenerateKernel(spec, device, 0), spec) +
-      "|tuned-variant";
+      "|tuned-variant-v2";  // v2: small problems timed from DRAM, candidate lists reordered
   std::string stored;
   if (disk.Load(key, &stored)) {
     const int variant = std::atoi(stored.c_str());

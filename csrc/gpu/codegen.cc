@@ -122,11 +122,16 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   s << "    return t;\n  }\n";
   // The same for kN consecutive channels from c (both multiples of 4), the parameters read
   // 16 bytes at a time where every array is 16-byte aligned (pointwise.cuh: kVectorTerms).
+  std::string read = "0ull";  // the arrays channels() reads, ORed: 16-byte aligned or not
+  if (spec.has(PointwiseOp::kBias)) read += " | reinterpret_cast<unsigned long long>(p.bias)";
+  if (spatial_bn) {
+    for (const char* array : {"bn_scale", "bn_shift", "bn_mean", "bn_var"}) {
+      read += std::string(" | reinterpret_cast<unsigned long long>(p.") + array + ")";
+    }
+  }
   s << "  template <int kN>\n"
     << "  JF_DEVICE void channels(i64 c, Channel (&t)[kN]) const {\n"
-    << "    const bool vectors = ((reinterpret_cast<unsigned long long>(p.bias) | "
-       "reinterpret_cast<unsigned long long>(p.bn_scale) | reinterpret_cast<unsigned long long>(p.bn_shift) | "
-       "reinterpret_cast<unsigned long long>(p.bn_mean) | reinterpret_cast<unsigned long long>(p.bn_var)) & 15) == 0;\n"
+    << "    const bool vectors = ((" << read << ") & 15) == 0;\n"
     << "    if (!vectors) {\n"
     << "      for (int j = 0; j < kN; ++j) t[j] = channel(c + j);\n"
     << "      return;\n"
@@ -404,7 +409,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
   // Outputs too small to occupy the device: split the reduction over a cluster of CTAs.
   const int64_t m = spec.n * spec.out_h * spec.out_w;
   const int sms = device.sm_count > 0 ? device.sm_count : 132;
-  int limit = 4;  // tiles the autotuner times (one more for each deep split-K ring)
+  std::vector<WgmmaTile> deep_rings;  // (the autotuner times them beyond the first four)
   for (const int bn : {64, 128}) {
     const int64_t tiles = ((m + 63) / 64) * ((kg + bn - 1) / bn) * g.groups;
     int splits = 1;
@@ -426,18 +431,26 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       deep.splits = splits;
       if (!wide && per_cta > t.stages && deep.stages == per_cta) {
         candidates.insert(candidates.begin() + 1, deep);
-        ++limit;
+        deep_rings.push_back(deep);
       }
     }
   }
+  // Up to four tiles, and each deep split-K ring besides.
+  const auto is_deep = [&](const WgmmaTile& t) {
+    return std::any_of(deep_rings.begin(), deep_rings.end(), [&](const WgmmaTile& d) {
+      return d.bn == t.bn && d.stages == t.stages && d.splits == t.splits;
+    });
+  };
+  int regular = static_cast<int>(all.size());
   for (const WgmmaTile& t : candidates) {
-    if (static_cast<int>(all.size()) >= limit) break;
+    if (regular >= 4 && !is_deep(t)) continue;
     const bool seen = std::any_of(all.begin(), all.end(), [&](const WgmmaTile& u) {
       return u.bm == t.bm && u.bn == t.bn && u.stages == t.stages && u.splits == t.splits;
     });
     if (!seen && t.bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64) &&
         t.SmemBytes() + t.StaticSmemBytes() <= std::max(device.max_smem_per_block, 48 * 1024)) {
       all.push_back(t);
+      if (!is_deep(t)) ++regular;
     }
   }
   return all;

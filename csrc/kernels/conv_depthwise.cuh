@@ -74,6 +74,7 @@ typedef IndexType<(kTiles * kSlices < (i64(1) << 31))>::type TileIdx;
 
 static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(K == C && G == C, "depthwise, multiplier 1");
+static_assert(kNHWC && kOutNHWC, "NHWC in and out (codegen: IsDepthwise)");
 static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole slices");
 static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");
 static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");

@@ -88,6 +88,7 @@ static_assert(kWM % 16 == 0 && kWN % 16 == 0, "warp tiles are whole 16x16 fragme
 static_assert(kBK % 16 == 0, "whole mma k-steps");
 static_assert(!kGatherA || kStages == 2, "gathered A: two stages");
 static_assert(!kGatherB || (!kNHWC && kBChunkCount % kThreads == 0), "gathered B: NCHW plans");
+static_assert(kOutNHWC == kNHWC, "the output in the input's layout (codegen: IgemmApplies)");
 static_assert(!kPlanesA || (kThreads % kBM == 0 && kPlaneChunks * kColStep == kAChunksPerRow),
               "NCHW: a thread's chunks cover its columns");
 static_assert(!kPlanesA || !kFlatCRS || kTaps <= 32, "NCHW, OIHW: one tap mask bit per tap");

@@ -104,6 +104,7 @@ static_assert(kStages >= 2, "a stage loading while one multiplies");
 // consumers cannot release before that arrival.
 static_assert(!kTransposeB || kStages >= 3, "B's arrival one stage behind its issue");
 static_assert(CG % kBK == 0, "a k-tile stays within one filter tap");
+static_assert(kNHWC, "NHWC activations (the im2col map); NCHW output only from them");
 static_assert(KG % 8 == 0 && C % 8 == 0, "16-byte rows");
 static_assert(kBarriersOffset + kBarrierBytes + 1024 <= kSmemBytes, "shared memory budget");
 static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <=

@@ -14,6 +14,9 @@
 // operands K-major only, so HWIO filters ([kk][k], k contiguous) are transposed on their way
 // in: 4-byte copies, each into its K-major place (load_b).
 //
+// NCHW output (kOutNHWC false: NCHW plans, or the NHWC form of one that reads its input
+// transposed) is stored plane by plane from the staging tile (store_tile_planes).
+//
 // NCHW (implicit_gemm.h: gather_planes): A's rows are gathered value by value into registers,
 // the loads for k-tile kt + kStages - 1 issued before k-tile kt's multiply and written to their
 // stage (16-byte shared stores, same swizzle) at the next iteration; B still streams in with
@@ -316,7 +319,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     if (kOutNHWC) {
       store_tile<kBM, kBN, kCPitch, kThreads>(ep, tile, terms, m0, n0, group, y);
     } else {
-      store_tile_planes<kBM, kBN, kCPitch, kThreads, kFlip>(ep, tile, terms, m0, n0, group, y);
+      store_tile_planes<kBM, kBN, kCPitch, kThreads, kFlip>(ep, tile, terms, m0, n0, group,
+                                                            y);
     }
     return;
   }
@@ -338,7 +342,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     }
     if (kOutNHWC) {
       store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
-    } else {  // NCHW: the sum goes back to this CTA's tile (its slice: no other CTA reads it)
+    } else {  // NCHW output: the sum goes back to this CTA's tile (no other CTA reads its slice)
       float* sum = tile + row * kCPitch + col8 * 8;
       *reinterpret_cast<float4*>(sum) = make_float4(v[0], v[1], v[2], v[3]);
       *reinterpret_cast<float4*>(sum + 4) = make_float4(v[4], v[5], v[6], v[7]);

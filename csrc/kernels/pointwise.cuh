@@ -26,8 +26,8 @@ constexpr i64 kVectorsPerPixel = C / kLanes;
 //
 // kVectorTerms (a code-generator variant, autotuned against the table): a thread with a single
 // vector of fixed channels reads its kLanes channels' parameters itself, 16 bytes at a time
-// (2 loads per parameter array instead of 8), issued with its vector's load: no block-wide
-// table, no barrier before the first store.
+// (kLanes / 4 loads per parameter array instead of kLanes), issued with its vector's load: no
+// block-wide table, no barrier before the first store.
 constexpr bool kChannelTable =
     (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels && !kVectorTerms;
 

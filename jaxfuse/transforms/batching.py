@@ -138,7 +138,8 @@ def _fold_into_channels(bind: Bind, sig: PlanSignature, moved: dict[str, tuple[A
         conv = dataclasses.replace(sig.conv, out_channels=size * sig.conv.out_channels,
                                    groups=size * sig.conv.groups)
         wide = dataclasses.replace(wide, conv=conv)
-    return _split_channels(bind(wide, *operands), _channel_axis(sig, "x"), size)
+    # (the output's channel axis is the side input's: both are in the output's layout)
+    return _split_channels(bind(wide, *operands), _channel_axis(sig, "side"), size)
 
 
 def _map_over_examples(bind: Bind, sig: PlanSignature,
