@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -216,6 +217,18 @@ def run_case(case: Case, device: Any, seed: int = 0, jit: bool = True,
     err = relative_error(out, ref)
     assert err <= case.tolerance(device), f"{case}: relative error {err:.3g}"
     return err
+
+
+def run_forced_cases(cases: list[Case], device: Any,
+                     expect: Callable[[dict[str, Any]], bool]) -> None:
+    """Compiles each case with the fused kernel forced, asserts `expect(kernel_info)` (the
+    kernel a test is about is the one that ran), and checks it with :func:`run_case`."""
+    for case in cases:
+        plan, _ = case.build()
+        plan.compile(device, solver="fused")
+        info = plan.kernel_info
+        assert expect(info), (str(case), info)
+        run_case(case, device, solver="fused")
 
 
 def assert_matches_with_nonfinite(out: Any, ref: np.ndarray, tol: float) -> None:

@@ -232,7 +232,7 @@ _TMA_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case
+    from cases import Case, run_forced_cases
     gpu = jax.devices("gpu")[0]
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
     cases = [
@@ -265,25 +265,18 @@ _TMA_CHILD = textwrap.dedent("""
         Case(ops="CBA", c=64, k=96, n=2, h=8, w=8, dtype="float32", layout="NHWC",
              filter_layout="OHWI"),
     ]
-    for case in cases:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        assert plan.solver == "conv_tma", (str(case), plan.kernel_info)
-        run_case(case, gpu, solver="fused")
+    run_forced_cases(cases, gpu, lambda info: info["solver"] == "conv_tma")
     # fp32 with HWIO filters transposed in the kernel over several tiles per persistent block
     # (a stage's arrival carried from one tile into the next, the drain after the last).
     # Outputs this large take the transposed-filter form, switched off here.
     import jaxfuse.solvers
     jaxfuse.solvers.kernel_filters = lambda signature, device: None
-    for case in [Case(ops="CBNA", c=64, k=128, n=8, h=56, w=56, dtype="float32", **NHWC),
-                 Case(ops="CBA", c=32, k=64, n=8, h=56, w=56, r=1, s=1, padding="VALID",
-                      dtype="float32", **NHWC),
-                 Case(ops="CBNSA", c=64, k=144, n=8, h=28, w=28, groups=2, dtype="float32",
-                      **NHWC)]:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        assert plan.solver == "conv_tma" and "filters" not in plan.kernel_info, plan.kernel_info
-        run_case(case, gpu, solver="fused")
+    run_forced_cases(
+        [Case(ops="CBNA", c=64, k=128, n=8, h=56, w=56, dtype="float32", **NHWC),
+         Case(ops="CBA", c=32, k=64, n=8, h=56, w=56, r=1, s=1, padding="VALID",
+              dtype="float32", **NHWC),
+         Case(ops="CBNSA", c=64, k=144, n=8, h=28, w=28, groups=2, dtype="float32", **NHWC)],
+        gpu, lambda info: info["solver"] == "conv_tma" and "filters" not in info)
     print("ok")
 """)
 
@@ -295,13 +288,13 @@ _PINGPONG_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case
+    from cases import Case, run_forced_cases
     import jaxfuse.solvers
     gpu = jax.devices("gpu")[0]
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
     # Every plan in its own filter form (fp32 HWIO: B transposed in the kernel).
     jaxfuse.solvers.kernel_filters = lambda signature, device: None
-    for case in [
+    run_forced_cases([
         Case(ops="CBNA", c=64, k=128, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
         Case(ops="CBNSA", c=256, k=96, n=12, h=27, w=29, r=1, s=1, padding="VALID",
              dtype="float16", layout="NHWC", filter_layout="OHWI"),
@@ -311,12 +304,7 @@ _PINGPONG_CHILD = textwrap.dedent("""
         Case(ops="CBNSA", c=64, k=128, n=8, h=28, w=28, r=1, s=1, padding="VALID",
              dtype="float32", layout="NHWC", filter_layout="OHWI"),
         Case(ops="CBA", c=128, k=64, n=1, h=7, w=7, dtype="float16", **NHWC),
-    ]:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        info = plan.kernel_info
-        assert plan.solver == "conv_tma" and info.get("tile", "").endswith(" pp"), info
-        run_case(case, gpu, solver="fused")
+    ], gpu, lambda info: info["solver"] == "conv_tma" and info.get("tile", "").endswith(" pp"))
     print("ok")
 """)
 
@@ -334,7 +322,7 @@ _STEM_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case, run_case_with_infinities
+    from cases import Case, run_case_with_infinities, run_forced_cases
     gpu = jax.devices("gpu")[0]
     cases = [
         Case(ops="CBNA", c=3, k=64, n=2, h=30, w=30, r=7, s=7, strides=(2, 2),
@@ -352,11 +340,7 @@ _STEM_CHILD = textwrap.dedent("""
         Case(ops="CBNA", c=2, k=40, n=1, h=9, w=33, r=1, s=9, strides=(1, 4),
              padding=((0, 0), (4, 4)), dtype="bfloat16", layout="NHWC", filter_layout="OHWI"),
     ]
-    for case in cases:
-        plan, handles = case.build()
-        plan.compile(gpu, solver="fused")
-        assert plan.solver == "conv_stem", (case, plan.kernel_info)
-        run_case(case, gpu, solver="fused")
+    run_forced_cases(cases, gpu, lambda info: info["solver"] == "conv_stem")
     run_case_with_infinities(cases[0], gpu)
     print("ok")
 """)
@@ -375,7 +359,7 @@ _SWAP_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case, run_case_with_infinities
+    from cases import Case, run_case_with_infinities, run_forced_cases
     gpu = jax.devices("gpu")[0]
     NHWC = dict(layout="NHWC", filter_layout="HWIO")
     cases = [
@@ -388,11 +372,7 @@ _SWAP_CHILD = textwrap.dedent("""
              padding="SAME", activation="clipped_relu", dtype="float16", **NHWC),
         Case(ops="CBNA", c=64, k=64, n=16, h=56, w=56, dtype="bfloat16", **NHWC),
     ]
-    for case in cases:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        assert plan.kernel_info["tile"].endswith(" sw"), (str(case), plan.kernel_info)
-        run_case(case, gpu, solver="fused")
+    run_forced_cases(cases, gpu, lambda info: info["tile"].endswith(" sw"))
     run_case_with_infinities(cases[0], gpu)
     print("ok")
 """)
@@ -411,7 +391,7 @@ _NHWC_FORM_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import Case, run_case, run_case_with_infinities
+    from cases import Case, run_case_with_infinities, run_forced_cases
     import jaxfuse.find
     jaxfuse.find.fastest_form = lambda signature, device, kernels: kernels[-1]
     gpu = jax.devices("gpu")[0]
@@ -429,13 +409,9 @@ _NHWC_FORM_CHILD = textwrap.dedent("""
         Case(ops="CBNSA", c=3, k=32, n=3, h=66, w=66, strides=(2, 2), padding="SAME",
              bn_mode="per_activation", dtype="bfloat16", **NCHW),
     ]
-    for case in cases:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        info = plan.kernel_info
-        assert info.get("input_layout", "").startswith("NHWC"), (str(case), info)
-        assert info["solver"] in ("conv_tma", "conv_wgmma", "conv_stem"), (str(case), info)
-        run_case(case, gpu, solver="fused")
+    run_forced_cases(cases, gpu, lambda info: (
+        info.get("input_layout", "").startswith("NHWC")
+        and info["solver"] in ("conv_tma", "conv_wgmma", "conv_stem")))
     run_case_with_infinities(cases[0], gpu)
     run_case_with_infinities(cases[4], gpu)
     print("ok")
