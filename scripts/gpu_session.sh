@@ -15,6 +15,9 @@
 # runs of scripts/latency_probe.py) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
 # NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain[:filter dtype]]]] runs of scripts/ncu_layer.py profiled by Nsight
 # Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
+# NCU_SOURCE=1: also a PC-sampling pass per fused kernel, its hottest SASS lines printed
+# (scripts/ncu_hotspots.py); LAYER_CHAIN ("0", "1" or "0 1"): layer runs whose K ops are
+# independent (0) or each waiting for the previous one (1: --chain, as in a network);
 # FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
@@ -83,16 +86,21 @@ if has final; then
 fi
 if has layers; then
   echo "== layer benchmarks (forced kernel and auto against XLA)"
-  start=$(date +%s)
-  # shellcheck disable=SC2086
-  timeout "${LAYERS_CAP:-300}" $py -m jaxfuse.bench --suite ${LAYER_SUITES:-resnet50 na} \
-    --batch ${LAYER_BATCH:-1 64} --dtype ${LAYER_DTYPES:-bfloat16} \
-    --layout ${LAYER_LAYOUTS:-NHWC} ${LAYER_FILTERS:+--filter-layout $LAYER_FILTERS} \
-    ${LAYER_WDTYPE:+--filter-dtype $LAYER_WDTYPE} \
-    ${LAYER_MATCH:+--layers "$LAYER_MATCH"} --repeats 10 --json "$OUT/layers.json" \
-    --plot "$OUT/layers.png" --no-progress > "$OUT/layers.log" 2>&1
-  echo "bench exit $? in $(( $(date +%s) - start )) s"
-  grep -E "^geomean" "$OUT/layers.log"
+  deadline=$(( $(date +%s) + ${LAYERS_CAP:-300} ))
+  for chain in ${LAYER_CHAIN:-0}; do
+    start=$(date +%s)
+    tag=$([[ $chain == 1 ]] && echo _chain)
+    (( deadline - start > 20 )) || { echo "skipped chain=$chain: out of time"; continue; }
+    # shellcheck disable=SC2086
+    timeout $(( deadline - start )) $py -m jaxfuse.bench --suite ${LAYER_SUITES:-resnet50 na} \
+      --batch ${LAYER_BATCH:-1 64} --dtype ${LAYER_DTYPES:-bfloat16} \
+      --layout ${LAYER_LAYOUTS:-NHWC} ${LAYER_FILTERS:+--filter-layout $LAYER_FILTERS} \
+      ${LAYER_WDTYPE:+--filter-dtype $LAYER_WDTYPE} $([[ $chain == 1 ]] && echo --chain) \
+      ${LAYER_MATCH:+--layers "$LAYER_MATCH"} --repeats 10 --json "$OUT/layers$tag.json" \
+      --plot "$OUT/layers$tag.png" --no-progress > "$OUT/layers$tag.log" 2>&1
+    echo "bench${tag} exit $? in $(( $(date +%s) - start )) s"
+    grep -E "^geomean" "$OUT/layers$tag.log"
+  done
 fi
 if has models; then
   echo "== end to end: Flax models, plain jit vs jit(fuse(apply)) auto and forced"
@@ -148,6 +156,14 @@ if has ncu; then
         || timeout "$left" ncu --profile-from-start off --clock-control none $sections \
           "${cmd[@]}" > "$report" 2>&1
       echo "-- $run $which (exit $?)"
+      if [[ ${NCU_SOURCE:-0} == 1 && $which == fused ]]; then
+        rep="$OUT/ncu_${layer}_${dtype}_${batch}_source"
+        timeout "$left" ncu --profile-from-start off --clock-control none \
+          --section SourceCounters -f -o "$rep" "${cmd[@]}" > /dev/null 2>&1
+        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
+        rm -f "$rep.ncu-rep"
+        $py scripts/ncu_hotspots.py "$rep.csv" --top 30
+      fi
       grep -E "^kernel:|^  [a-zA-Z_0-9]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Issued Ipc Active|No Eligible|Warp Cycles Per Issued|L1/TEX Hit|L2 Hit|Shared Memory Configuration Size|stalled_(long_scoreboard|barrier|wait|math_pipe_throttle|mio_throttle|short_scoreboard|lg_throttle|sleeping|dispatch_stall|not_selected|selected|membar|no_instruction)_per" "$report" | head -60
     done
   done

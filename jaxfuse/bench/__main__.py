@@ -51,10 +51,11 @@ def _rel_error(a: Any, b: Any) -> float:
 
 
 def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: int,
-             device_timing: bool) -> dict[str, Any]:
+             device_timing: bool, chained: bool = False) -> dict[str, Any]:
     """Times XLA's composition, jaxfuse's kernel forced (what the kernels achieve) and the plan
-    in auto mode (what users get: the faster of the two, by jaxfuse's own measurement)."""
-    unfused = batched(case.unfused())
+    in auto mode (what users get: the faster of the two, by jaxfuse's own measurement).
+    `chained`: the K ops of a program depend on each other (timing.batched)."""
+    unfused = batched(case.unfused(), chained)
     args = case.arg_sets(sets, device)
     row: dict[str, Any] = {
         "case": case.label(), "layer": case.layer.name, "n": case.n, "dtype": case.dtype,
@@ -68,7 +69,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         except FusionError as err:  # the forced kernel cannot be built: say so, go on
             row[f"{mode}_failed"] = str(err).splitlines()[0]
             continue
-        run = batched(case.fused(plan, ops))
+        run = batched(case.fused(plan, ops), chained)
         timed[mode] = run
         info = plan.kernel_info
         row[f"{mode}_solver"] = " ".join(str(info[k]) for k in ("solver", "tile") if k in info)
@@ -86,13 +87,16 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]
     if device_timing:
-        xd = device_time_per_op(unfused, args)
+        stats: dict[str, float] = {}
+        xd = device_time_per_op(unfused, args, stats=stats)
         row["xla_device_us"] = xd * 1e6 if xd else None
+        row["xla_kernels_per_op"] = stats.get("kernels_per_op")
         for mode, run in timed.items():
-            d = device_time_per_op(run, args) if run is not None else None
+            d = device_time_per_op(run, args, stats=stats) if run is not None else None
             if d and xd:
                 row[f"{mode}_device_us"] = d * 1e6
                 row[f"ratio_{mode}_device"] = xd / d
+                row[f"{mode}_kernels_per_op"] = stats.get("kernels_per_op")
     flops = case.layer.flops(case.n) if "C" in case.ops else 0
     nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
     floor = ceilings.floor(flops, nbytes, case.dtype)
@@ -128,8 +132,8 @@ def _kind(rows: list[dict[str, Any]]) -> str:
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     kind = _kind(rows)
     header = (f"{'case':<46} {'fused kernel':<26} {'fused us':>9} {'xla us':>9} "
-              f"{'forced x':>8} {'auto x':>7} {'auto':<6} {'TFLOP/s':>8} {'floor us':>8} "
-              f"{'err':>8} {'% copy':>6}")
+              f"{'xla k':>5} {'forced x':>8} {'auto x':>7} {'auto':<6} {'TFLOP/s':>8} "
+              f"{'floor us':>8} {'err':>8} {'% copy':>6}")
     print(header, file=out)
     nan = float("nan")
     for r in rows:
@@ -137,6 +141,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         xla = r.get(f"xla_{kind}_us", nan) or nan
         auto = "xla" if r.get("auto_solver", "").startswith("xla") else "fused"
         print(f"{r['case']:<46} {r.get('fused_solver', 'FAILED'):<26} {fused:9.1f} {xla:9.1f} "
+              f"{r.get('xla_kernels_per_op') or nan:5.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
               f"{auto:<6} {r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
               f"{r.get('fused_rel_error_vs_xla', nan):8.1e} "
@@ -212,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="CBNA", help="chain for conv layers (NA layers: NA; "
                         "layers without an activation drop the A)")
     parser.add_argument("--sets", type=int, default=8, help="distinct input sets per jit")
+    parser.add_argument("--chain", action="store_true",
+                        help="each op of a jit waits for the previous one's result, as a "
+                        "network's layers do (no merging of independent ops into one kernel)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--platform", default=None, help="cpu or gpu (default: jax's default)")
     parser.add_argument("--json", type=Path, default=None)
@@ -235,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in _progress(cases, not args.no_progress):
         sets = args.sets if case.n > 1 else max(args.sets, 16)
         rows.append(run_case(case, device, ceilings, sets, args.repeats,
-                             device_timing=device.platform == "gpu"))
+                             device_timing=device.platform == "gpu", chained=args.chain))
         if args.no_progress:  # a log of rows as they finish, should the run be cut short
             print(json.dumps(rows[-1], default=str), file=sys.stderr)
     print_table(rows)

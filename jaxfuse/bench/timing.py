@@ -26,9 +26,25 @@ import jax
 __all__ = ["batched", "device_time_per_op", "wall_time_per_op", "wall_times_interleaved"]
 
 
-def batched(fn: Callable[..., Any]) -> Callable[[Sequence[Sequence[Any]]], Any]:
-    """``jit(lambda sets: [fn(*s) for s in sets])``: K ops in one program."""
-    return jax.jit(lambda sets: [fn(*s) for s in sets])
+def batched(fn: Callable[..., Any], chained: bool = False
+            ) -> Callable[[Sequence[Sequence[Any]]], Any]:
+    """``jit(lambda sets: [fn(*s) for s in sets])``: K ops in one program.
+
+    `chained`: op k's inputs wait for op k-1's result (``lax.optimization_barrier``), as a
+    network's layers do. Independent ops of one program are free to be merged: XLA's horizontal
+    fusion runs K small loop fusions as one kernel, which no chain of layers allows."""
+    if not chained:
+        return jax.jit(lambda sets: [fn(*s) for s in sets])
+
+    def many(sets: Sequence[Sequence[Any]]) -> list[Any]:
+        outs: list[Any] = []
+        for s in sets:
+            if outs:
+                s, _ = jax.lax.optimization_barrier((tuple(s), outs[-1]))
+            outs.append(fn(*s))
+        return outs
+
+    return jax.jit(many)
 
 
 def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
@@ -57,9 +73,11 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
-                       calls: int = 5, by_kernel: dict[str, float] | None = None) -> float | None:
+                       calls: int = 5, by_kernel: dict[str, float] | None = None,
+                       stats: dict[str, float] | None = None) -> float | None:
     """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events.
-    `by_kernel`, if given, receives each kernel name's mean seconds per op."""
+    `by_kernel`, if given, receives each kernel name's mean seconds per op; `stats` receives
+    "kernels_per_op" (below 1 where the program merged ops into shared kernels)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(many(arg_sets))
@@ -88,6 +106,8 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
                                                  * 1e-9 / (calls * len(arg_sets)))
     if not kernels:
         return None
+    if stats is not None:
+        stats["kernels_per_op"] = len(kernels) / (calls * len(arg_sets))
     kernels.sort()
     # Split the kernels into calls at the largest gaps between them (the host syncs).
     if calls > 1 and len(kernels) >= calls:

@@ -1,0 +1,67 @@
+"""The instructions where a profiled kernel's warps wait, from Nsight Compute's source page.
+
+    ncu --section SourceCounters -o report python scripts/ncu_layer.py ...
+    ncu -i report.ncu-rep --page source --csv --print-source sass > sass.csv
+    python scripts/ncu_hotspots.py sass.csv [--top 25]
+
+Prints the SASS lines with the most warp-stall samples (PC sampling), each with its share of
+all samples and the stall reasons ncu attributes to it, so a kernel's time can be pinned to
+its instructions (the barrier wait, a load's first use, the epilogue) instead of guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import sys
+from pathlib import Path
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("csv_file")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    text = Path(args.csv_file).read_text(encoding="utf-8", errors="replace")
+    # ncu prints a line of its own before the table in some versions: start at the header.
+    start = text.find('"Address"')
+    if start < 0:
+        start = text.find('"# Address"')
+    if start < 0:
+        print("no source table in", args.csv_file, file=sys.stderr)
+        print(text[:2000], file=sys.stderr)
+        return 1
+    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    if not rows:
+        return 1
+    columns = list(rows[0])
+    samples = next((c for c in columns if c.startswith("Warp Stall Sampling (All")), None)
+    if samples is None:
+        print("columns:", columns, file=sys.stderr)
+        return 1
+    source = next(c for c in columns if c == "Source")
+    address = columns[0]
+    reasons = [c for c in columns if c.startswith("stall_") or c.startswith("smsp__pcsamp")]
+    total = sum(_number(r[samples]) for r in rows) or 1.0
+    print(f"{len(rows)} SASS lines, {total:.0f} stall samples, {len(reasons)} reason columns")
+    ranked = sorted(range(len(rows)), key=lambda i: _number(rows[i][samples]), reverse=True)
+    for i in ranked[:args.top]:
+        r = rows[i]
+        share = _number(r[samples]) / total
+        why = sorted(((_number(r[c]), c) for c in reasons), reverse=True)[:3]
+        why_text = ", ".join(f"{c.replace('smsp__pcsamp_warps_issue_stalled_', '')} {v:.0f}"
+                             for v, c in why if v > 0)
+        print(f"{share:6.1%} line {i:5d} {r[address]:>8} {r[source].strip()[:60]:<60} {why_text}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
