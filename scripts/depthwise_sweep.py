@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-VARIANTS = 5  # the solver offers at most 4 tilings and the vector kernel
+VARIANTS = 7  # at most 4 tilings, 2 walking ones and the vector kernel
 
 
 def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str) -> list[Any]:

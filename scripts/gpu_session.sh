@@ -3,7 +3,7 @@
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu find probe
-#                                               cache
+#                                               dwsweep cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_WDTYPE
@@ -18,6 +18,7 @@
 # NCU_SOURCE=1: also a PC-sampling pass per fused kernel, its hottest SASS lines printed
 # (scripts/ncu_hotspots.py); LAYER_CHAIN ("0", "1" or "0 1"): layer runs whose K ops are
 # independent (0) or each waiting for the previous one (1: --chain, as in a network);
+# DWSWEEP_ARGS, arguments of scripts/depthwise_sweep.py (every depthwise variant forced, DWSWEEP_CAP);
 # FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
@@ -179,6 +180,19 @@ if has find; then
       2>&1 | grep -v "^W[0-9]" | tee -a "$OUT/find.log" | tail -16
   done
 fi
+if has dwsweep; then
+  echo "== depthwise variants, each forced"
+  # shellcheck disable=SC2086
+  timeout "${DWSWEEP_CAP:-240}" $py scripts/depthwise_sweep.py ${DWSWEEP_ARGS:---suite mobilenetv2} \
+    --json "$OUT/dwsweep.json" > "$OUT/dwsweep.log" 2> "$OUT/dwsweep_detail.log"
+  echo "sweep exit $?"; cat "$OUT/dwsweep.log"
+fi
 if has cache; then
   tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
 fi
+# At most 8 files come back from a call: the logs, JSON and plots go back as one archive beside
+# the build and the kernel cache.
+(cd "$OUT" && ls | grep -v -E '\.so$|^csrc_hash$|^jaxfuse-cache\.tgz$' > /tmp/jaxfuse-logs.txt
+ if [[ -s /tmp/jaxfuse-logs.txt ]]; then
+   tar czf logs.tgz -T /tmp/jaxfuse-logs.txt && xargs rm -rf < /tmp/jaxfuse-logs.txt
+ fi)

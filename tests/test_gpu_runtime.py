@@ -352,6 +352,26 @@ def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
     _run_ok_child(_STEM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced)
 
 
+# The depthwise kernel walking several tiles a CTA (the next window copied while this one is
+# computed), forced: its tables built once, the windows alternating, the last CTA's shorter walk.
+_WALK_CHILD = textwrap.dedent("""
+    import os
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import WALKING_DEPTHWISE_CASES, run_forced_cases
+    walk = os.environ["JAXFUSE_KERNEL_VARIANT"].split()[-1]
+    run_forced_cases(WALKING_DEPTHWISE_CASES, jax.devices("gpu")[0],
+                     lambda info: info["tile"].endswith(walk))
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("walk", ["walk2", "walk4"])
+def test_the_walking_depthwise_kernel_is_correct(tmp_path, walk: str) -> None:
+    _run_ok_child(_WALK_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=f"conv_depthwise {walk}")
+
+
 # conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the
 # first of them forced (256 pixels a tile): partial tiles, stride, dilation, groups, 1x1, a
 # side input, per-activation batch norm, both 16-bit dtypes, and infinities in the input.

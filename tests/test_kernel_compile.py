@@ -9,7 +9,13 @@ import dataclasses
 import os
 
 import pytest
-from cases import DEPTHWISE_CASES, Case, compiler_available, depthwise_solver
+from cases import (
+    DEPTHWISE_CASES,
+    WALKING_DEPTHWISE_CASES,
+    Case,
+    compiler_available,
+    depthwise_solver,
+)
 
 from jaxfuse._extension import extension
 from jaxfuse.activations import ActivationMode
@@ -277,6 +283,13 @@ def test_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
     assert outs[0]["solver"] == depthwise_solver(case)
     if outs[0]["solver"] == "conv_depthwise" and case.r * case.s <= 25:
         assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_depthwise", outs[0]["tile"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("case", WALKING_DEPTHWISE_CASES, ids=str)
+def test_walking_depthwise_variants_compile(case: Case, arch: str) -> None:
+    tiles = [out["tile"] for out in _compile_every_variant(case, arch)]
+    assert [t for t in tiles if "walk" in t] == [f"{tiles[0]} walk2", f"{tiles[0]} walk4"]
 
 
 def _mobilenet_depthwise_cases() -> list[Case]:

@@ -779,15 +779,25 @@ std::string StemConstants(const PlanSpec& spec, const StemTile& t) {
 // a slice of cs channels; each thread a bh x bw block of them for one 32-bit word of channels.
 struct DepthwiseTile {
   int cs = 0, bh = 1, bw = 1, th = 1, tw = 1, fill = 4, threads = 0;
+  int walk = 1;  // tiles a CTA computes in turn (two windows in shared memory when > 1)
   bool large_filter = false;  // more than 5x5 taps
-  int64_t smem = 0, ctas = 0;
+  int64_t window = 0, smem = 0, tiles = 0, ctas = 0;
   double seconds = 0;  // the cost model's estimate
   // Resident CTAs ptxas must allow: registers capped at 128 a thread (2048 threads / 16
   // warps), except for large filters, whose taps alone take most of that.
   int MinBlocks() const { return large_filter ? 1 : std::max(1, 16 / ((threads + 31) / 32)); }
   std::string Name() const {
     return std::to_string(th) + "x" + std::to_string(tw) + "x" + std::to_string(cs) + " b" +
-           std::to_string(bh) + "x" + std::to_string(bw);
+           std::to_string(bh) + "x" + std::to_string(bw) +
+           (walk > 1 ? " walk" + std::to_string(walk) : "");
+  }
+  // The same tiling, each CTA walking `tiles_a_cta` tiles of its slice.
+  DepthwiseTile Walking(int tiles_a_cta, int64_t slices) const {
+    DepthwiseTile t = *this;
+    t.walk = tiles_a_cta;
+    t.smem = smem + window;
+    t.ctas = slices * ((tiles + tiles_a_cta - 1) / tiles_a_cta);
+    return t;
   }
 };
 
@@ -887,8 +897,10 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
             t.cs = cs, t.bh = bh, t.bw = bw, t.th = th, t.tw = tw, t.large_filter = rs > 25;
             t.threads = cs / ch * nbh * nbw;
             // The input window, then the taps (fp32) and the 20-byte epilogue terms per channel.
-            t.smem = tile_rows * tile_cols * cs * elem + (rs * 4 + 20) * cs;
+            t.window = tile_rows * tile_cols * cs * elem;
+            t.smem = t.window + (rs * 4 + 20) * cs;
             t.fill = (int64_t{cs} * elem) % 16 == 0 && (c * elem) % 16 == 0 ? 16 : 4;
+            t.tiles = tiles;
             t.ctas = (c / cs) * tiles;
             // A warp or more (tiny outputs: all their words), at most 512 threads.
             if (t.threads < std::min<int64_t>(32, c / ch * p * q) || t.threads > 512 ||
@@ -965,6 +977,15 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
       }
     }
   }
+  // The best tiling walking 2 and 4 tiles a CTA, where that still leaves two CTAs a
+  // multiprocessor: measured against the rest (the cost model above does not rank them).
+  if (!all.empty()) {
+    const DepthwiseTile best = all[0];
+    for (const int walk : {2, 4}) {
+      const DepthwiseTile t = best.Walking(walk, c / best.cs);
+      if (t.smem <= smem_limit && t.window % 16 == 0 && t.ctas >= 2 * sms) all.push_back(t);
+    }
+  }
   return all;
 }
 
@@ -981,7 +1002,7 @@ int DepthwiseVariants(const PlanSpec& spec, const DeviceInfo& device) {
 std::string DepthwiseConstants(const DepthwiseTile& t) {
   Text s;
   s << "constexpr int kBH = " << t.bh << ", kBW = " << t.bw << ", kTH = " << t.th
-    << ", kTW = " << t.tw << ", kCS = " << t.cs << ";\n"
+    << ", kTW = " << t.tw << ", kCS = " << t.cs << ", kWalk = " << t.walk << ";\n"
     << "constexpr int kFill = " << t.fill << ", kThreads = " << t.threads
     << ", kMinBlocks = " << t.MinBlocks() << ";\n"
     << "constexpr int kSmemBytes = " << t.smem << ";\n"

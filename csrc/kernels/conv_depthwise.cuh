@@ -13,7 +13,13 @@
 // terms are tabulated in shared memory once a CTA, a thread a channel, and each thread keeps
 // its own in registers. Each output word goes through the plan's epilogue and out as one
 // 32-bit store; a warp's stores cover consecutive channels of a pixel. Needs C % kCS == 0 and
-// buffers aligned to kFill bytes (4 or 16). No tensor cores: a dense MMA over a depthwise
+// buffers aligned to kFill bytes (4 or 16).
+//
+// Walking (kWalk > 1): a CTA computes kWalk consecutive tiles of its slice (the next images'
+// tiles, for small images) with two windows in shared memory: the next tile's window is copied
+// while this one's outputs are computed, and the tables are built once for all of them. Small
+// layers at large batch otherwise spend each short CTA waiting for its one window, behind a
+// barrier, with the tables built again for a few thousand outputs. No tensor cores: a dense MMA over a depthwise
 // product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
 // NaN would leak across channels where the convolution has none.
 //
@@ -50,6 +56,8 @@ constexpr int kTileCols = (kTW - 1) * SW + (S - 1) * DW + 1;
 constexpr i64 kTilesH = (P + kTH - 1) / kTH, kTilesW = (Q + kTW - 1) / kTW;
 constexpr i64 kTiles = N * kTilesH * kTilesW;
 constexpr i64 kSlices = C / kCS;
+constexpr int kWindows = kWalk > 1 ? 2 : 1;  // walking: copy the next while computing this
+static_assert(kWalk >= 1, "tiles a CTA");
 constexpr int kFillElems = kFill / static_cast<int>(sizeof(T));
 constexpr int kChunksPerPixel = kCS / kFillElems;
 constexpr int kChunks = kTileRows * kTileCols * kChunksPerPixel;
@@ -71,6 +79,7 @@ JF_DEVICE Pointer advance(Pointer base, Idx offset) {
 }
 // CTA and tile numbers in 32 bits where they fit.
 typedef IndexType<(kTiles * kSlices < (i64(1) << 31))>::type TileIdx;
+constexpr TileIdx kGroups = TileIdx((kTiles + kWalk - 1) / kWalk);  // CTAs a slice
 
 static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(K == C && G == C, "depthwise, multiplier 1");
@@ -79,10 +88,12 @@ static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole sl
 static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");
 static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");
 static_assert(kThreads == kThreadsC * kBlocksH * kBlocksW, "one thread per (word, block)");
-// Shared memory: the tile's input window, then the slice's taps (fp32, tap-major) and
-// per-channel epilogue terms, tabulated once a CTA.
+// Shared memory: the tile's input window (two when walking), then the slice's taps (fp32,
+// tap-major) and per-channel epilogue terms, tabulated once a CTA.
 constexpr int kWindowBytes = kTileRows * kTileCols * kCS * static_cast<int>(sizeof(T));
-constexpr int kTapsOffset = kWindowBytes, kTermsOffset = kTapsOffset + R * S * kCS * 4;
+constexpr int kTapsOffset = kWindows * kWindowBytes;
+constexpr int kTermsOffset = kTapsOffset + R * S * kCS * 4;
+static_assert(kWindowBytes % 16 == 0 || kWindows == 1, "the second window 16-byte aligned");
 static_assert(sizeof(Epilogue::Channel) == 20, "the code generator sizes the table so");
 static_assert(kSmemBytes == kTermsOffset + kCS * 20, "shared memory: window, taps, terms");
 
@@ -122,9 +133,18 @@ JF_DEVICE void copy_async(unsigned char* smem, u32 smem_addr, int offset,
 #endif
 }
 
+// The copies issued since the last commit form one group; wait_copies<n> returns once at most
+// n groups are still in flight.
+JF_DEVICE void commit_copies() {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int Pending>
 JF_DEVICE void wait_copies() {
 #if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 #endif
 }
 
@@ -159,9 +179,9 @@ JF_DEVICE u32 pack(const float (&v)[kCh]) {
   }
 }
 
-// Copies the input window of a tile (rows from ih0, columns from iw0) of the slice at byte
-// `x_slice` (x + n * H * W * C + first channel) into shared memory, pixel-major, kCS channels a
-// pixel. Chunk i (kFill bytes) is byte i * kFill of the tile: row i / kRowChunks, column and
+// Issues the copies of the input window of a tile (rows from ih0, columns from iw0) of the
+// slice at byte `x_slice` (x + n * H * W * C + first channel) into shared memory at `smem`
+// (address `smem_addr`), pixel-major, kCS channels a pixel; the caller commits and waits. Chunk i (kFill bytes) is byte i * kFill of the tile: row i / kRowChunks, column and
 // part of the pixel from i % kRowChunks. When kThreads is a multiple of kRowChunks, a thread's
 // column and part are the same at every step and only its row advances.
 constexpr int kRowChunks = kTileCols * kChunksPerPixel;
@@ -204,7 +224,18 @@ JF_DEVICE void fill_tile(unsigned char* smem, u32 smem_addr, const unsigned char
       copy_async(smem, smem_addr, i * kFill, advance(x_slice, valid ? offset : 0), valid);
     }
   }
-  wait_copies();
+}
+
+// Tile `tile` (image, tile row, tile column) of the slice starting at channel `channel0`:
+// issues its window's copies into window `buffer`.
+JF_DEVICE void fill_window(unsigned char* smem, const T* x, TileIdx tile, int channel0,
+                           int buffer, int tid) {
+  const int tw = static_cast<int>(tile % TileIdx(kTilesW));
+  const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
+  const i64 n = tile / TileIdx(kTilesW * kTilesH);
+  fill_tile(smem + buffer * kWindowBytes, shared_address(smem) + buffer * kWindowBytes,
+            reinterpret_cast<const unsigned char*>(x + n * (H * W * C) + channel0),
+            th * kTH * SH - PT, tw * kTW * SW - PL, tid);
 }
 
 }  // namespace depthwise
@@ -215,7 +246,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   using namespace jaxfuse;
   using namespace jaxfuse::depthwise;
   extern __shared__ __align__(16) unsigned char smem[];
-  const u32* words = reinterpret_cast<const u32*>(smem);
   const Epilogue ep(p);
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
@@ -224,17 +254,23 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   const int tid = threadIdx.x;  // (non-negative: unsigned division where it divides)
   const TileIdx cta = blockIdx.x;
   const int slice = static_cast<int>(cta % TileIdx(kSlices));
-  const TileIdx tile = cta / TileIdx(kSlices);
+  const TileIdx first_tile = cta / TileIdx(kSlices) * TileIdx(kWalk);
+  const int count = static_cast<int>(
+      kTiles % kWalk == 0 ? kWalk : min(TileIdx(kWalk), TileIdx(kTiles) - first_tile));
   const int tc = static_cast<unsigned>(tid) % kThreadsC;
   const int block = static_cast<unsigned>(tid) / kThreadsC;
   const int bi = static_cast<unsigned>(block) / kBlocksW;
   const int bj = static_cast<unsigned>(block) % kBlocksW;
   const int c = slice * kCS + tc * kCh;  // this thread's first channel
-  const int tw = static_cast<int>(tile % TileIdx(kTilesW));
-  const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
-  const i64 n = tile / TileIdx(kTilesW * kTilesH);
-  const int oh0 = th * kTH + bi * kBH, ow0 = tw * kTW + bj * kBW;  // this thread's block
 
+  // The first windows' copies go out before the tables are built, so the tables' loads wait
+  // beside them rather than ahead of them.
+  fill_window(smem, x, first_tile, slice * kCS, 0, tid);
+  commit_copies();
+  if (kWalk > 1) {
+    if (count > 1) fill_window(smem, x, first_tile + 1, slice * kCS, 1, tid);
+    commit_copies();
+  }
   // The slice's filter taps (fp32) and epilogue terms, tabulated in shared memory by its first
   // kCS threads, then read into registers by all: each thread needs its word's channels'.
   float* tap_table = reinterpret_cast<float*>(smem + kTapsOffset);
@@ -244,11 +280,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
     for (int t = 0; t < R * S; ++t) tap_table[t * kCS + i] = Io::load(w[t * C + slice * kCS + i]);
     term_table[i] = ep.channel(slice * kCS + i);
   }
-  fill_tile(smem, shared_address(smem),
-            reinterpret_cast<const unsigned char*>(x + n * (H * W * C) + slice * kCS),
-            th * kTH * SH - PT, tw * kTW * SW - PL, tid);
-  __syncthreads();  // the window and the tables are complete
-  if (oh0 >= P || ow0 >= Q) return;  // a block wholly beyond the output's edge
+  wait_copies<kWindows - 1>();  // the first window has landed (the second may not have)
+  __syncthreads();              // ... everyone's, and the tables are complete
   float taps[R * S][kCh];
 #pragma unroll
   for (int t = 0; t < R * S; ++t)
@@ -258,53 +291,72 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
 #pragma unroll
   for (int j = 0; j < kCh; ++j) terms[j] = term_table[tc * kCh + j];
 
-  float acc[kBH][kBW][kCh];
+  for (int step = 0; step < count; ++step) {
+    const TileIdx tile = first_tile + step;
+    const int tw = static_cast<int>(tile % TileIdx(kTilesW));
+    const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
+    const i64 n = tile / TileIdx(kTilesW * kTilesH);
+    const int oh0 = th * kTH + bi * kBH, ow0 = tw * kTW + bj * kBW;  // this thread's block
+    // A block wholly beyond the output's edge has nothing to compute (it still takes part in
+    // the barriers below).
+    if (oh0 < P && ow0 < Q) {
+      float acc[kBH][kBW][kCh];
 #pragma unroll
-  for (int o = 0; o < kBH; ++o)
-#pragma unroll
-    for (int q = 0; q < kBW; ++q)
-#pragma unroll
-      for (int j = 0; j < kCh; ++j) acc[o][q][j] = 0.0f;
-  // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
-  // == i: each row is read and converted once.
-  const u32* window = words + ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
-#pragma unroll
-  for (int i = 0; i < kInRows; ++i) {
-    float in[kInCols][kCh];
-#pragma unroll
-    for (int col = 0; col < kInCols; ++col) {
-      unpack(window[(i * kTileCols + col) * kThreadsC], in[col]);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int d = i - r * DH;
-      if (d < 0 || d % SH != 0 || d / SH >= kBH) continue;
-      const int o = d / SH;
-#pragma unroll
-      for (int s = 0; s < S; ++s)
+      for (int o = 0; o < kBH; ++o)
 #pragma unroll
         for (int q = 0; q < kBW; ++q)
 #pragma unroll
-          for (int j = 0; j < kCh; ++j) {
-            acc[o][q][j] = fmaf(in[q * SW + s * DW][j], taps[r * S + s][j], acc[o][q][j]);
-          }
-    }
-  }
-
-  const i64 sample = n * kPerSample;
+          for (int j = 0; j < kCh; ++j) acc[o][q][j] = 0.0f;
+      // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
+      // == i: each row is read and converted once.
+      const u32* window = reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowBytes) +
+                          ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
 #pragma unroll
-  for (int o = 0; o < kBH; ++o) {
-    if (P % kBH != 0 && oh0 + o >= P) break;
+      for (int i = 0; i < kInRows; ++i) {
+        float in[kInCols][kCh];
 #pragma unroll
-    for (int q = 0; q < kBW; ++q) {
-      if (Q % kBW != 0 && ow0 + q >= Q) break;
-      const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // offset within the sample
-      float v[kCh];
+        for (int col = 0; col < kInCols; ++col) {
+          unpack(window[(i * kTileCols + col) * kThreadsC], in[col]);
+        }
 #pragma unroll
-      for (int j = 0; j < kCh; ++j) {
-        v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+        for (int r = 0; r < R; ++r) {
+          const int d = i - r * DH;
+          if (d < 0 || d % SH != 0 || d / SH >= kBH) continue;
+          const int o = d / SH;
+#pragma unroll
+          for (int s = 0; s < S; ++s)
+#pragma unroll
+            for (int q = 0; q < kBW; ++q)
+#pragma unroll
+              for (int j = 0; j < kCh; ++j) {
+                acc[o][q][j] = fmaf(in[q * SW + s * DW][j], taps[r * S + s][j], acc[o][q][j]);
+              }
+        }
       }
-      *reinterpret_cast<u32*>(y + sample + param) = pack(v);
+
+      const i64 sample = n * kPerSample;
+#pragma unroll
+      for (int o = 0; o < kBH; ++o) {
+        if (P % kBH != 0 && oh0 + o >= P) break;
+#pragma unroll
+        for (int q = 0; q < kBW; ++q) {
+          if (Q % kBW != 0 && ow0 + q >= Q) break;
+          const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // offset within the sample
+          float v[kCh];
+#pragma unroll
+          for (int j = 0; j < kCh; ++j) {
+            v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+          }
+          *reinterpret_cast<u32*>(y + sample + param) = pack(v);
+        }
+      }
+    }
+    if (kWalk > 1 && step + 1 < count) {
+      __syncthreads();  // everyone is done with this window: refill it with tile step + 2
+      if (step + 2 < count) fill_window(smem, x, tile + 2, slice * kCS, step % 2, tid);
+      commit_copies();
+      wait_copies<1>();  // tile step + 1's window has landed
+      __syncthreads();
     }
   }
 }
