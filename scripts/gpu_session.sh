@@ -139,7 +139,7 @@ fi
 if has ncu; then
   echo "== Nsight Compute: fused kernel and XLA's kernels per layer"
   deadline=$(( $(date +%s) + ${NCU_CAP:-240} ))
-  sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+  ncu_sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
     --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats"
   stalls="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
   for run in ${NCU_RUNS:-r50_l3_3x3_256:bfloat16:256}; do
@@ -152,9 +152,9 @@ if has ncu; then
            --layout "${layout:-NHWC}" ${filters:+--filter-layout "$filters"} --chain "${chain:-CBNA}"
            ${wdtype:+--filter-dtype "$wdtype"} --which "$which" --calls 1)
       # shellcheck disable=SC2086
-      timeout "$left" ncu --profile-from-start off --clock-control none $sections $stalls \
+      timeout "$left" ncu --profile-from-start off --clock-control none $ncu_sections $stalls \
         "${cmd[@]}" > "$report" 2>&1 \
-        || timeout "$left" ncu --profile-from-start off --clock-control none $sections \
+        || timeout "$left" ncu --profile-from-start off --clock-control none $ncu_sections \
           "${cmd[@]}" > "$report" 2>&1
       echo "-- $run $which (exit $?)"
       if [[ ${NCU_SOURCE:-0} == 1 && $which == fused ]]; then

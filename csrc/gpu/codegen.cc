@@ -112,14 +112,25 @@ std::string PlanEpilogue(const PlanSpec& spec) {
     << "    act_gamma = p.scalars[kActGamma];\n"
     << "    side_alpha = p.scalars[kSideAlpha];\n"
     << "  }\n"
-    << "  JF_DEVICE Channel channel(i64 c) const {\n"
-    << "    Channel t = Channel::identity();\n";
-  if (spec.has(PointwiseOp::kBias)) s << "    t.bias = p.bias[c];\n";
+    // A channel's parameters as loaded (raw) and folded into its terms (fold), apart so a
+    // kernel can issue the loads early and fold once they are needed (conv_wgmma).
+    << "  struct Raw {\n"
+    << "    float bias = 0.0f, scale = 1.0f, shift = 0.0f, mean = 0.0f, var = 1.0f;\n"
+    << "  };\n"
+    << "  JF_DEVICE Raw raw(i64 c) const {\n"
+    << "    Raw r;\n";
+  if (spec.has(PointwiseOp::kBias)) s << "    r.bias = p.bias[c];\n";
   if (spatial_bn) {
-    s << "    t.bn = bn_fold(p.bn_scale[c], p.bn_shift[c], p.bn_mean[c], p.bn_var[c], "
-         "bn_epsilon);\n";
+    s << "    r.scale = p.bn_scale[c];\n    r.shift = p.bn_shift[c];\n"
+      << "    r.mean = p.bn_mean[c];\n    r.var = p.bn_var[c];\n";
   }
-  s << "    return t;\n  }\n";
+  s << "    return r;\n  }\n"
+    << "  JF_DEVICE Channel fold(const Raw& r) const {\n"
+    << "    Channel t = Channel::identity();\n";
+  if (spec.has(PointwiseOp::kBias)) s << "    t.bias = r.bias;\n";
+  if (spatial_bn) s << "    t.bn = bn_fold(r.scale, r.shift, r.mean, r.var, bn_epsilon);\n";
+  s << "    return t;\n  }\n"
+    << "  JF_DEVICE Channel channel(i64 c) const { return fold(raw(c)); }\n";
   // The same for kN consecutive channels from c (both multiples of 4), the parameters read
   // 16 bytes at a time where every array is 16-byte aligned (pointwise.cuh: kVectorTerms).
   std::string read = "0ull";  // the arrays channels() reads, ORed: 16-byte aligned or not

@@ -250,7 +250,11 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   // one k-tile still running while the next is issued. A stage is refilled only after every
   // warpgroup has waited for the multiply that read it (the wait, then the next barrier).
   constexpr int kAhead = kStages - 2;
-#pragma unroll
+  // The epilogue's per-channel parameters, loaded ahead of the copies and folded after them.
+  const TermLoads<kBN, kThreads> term_loads = load_terms<kBN, kThreads>(ep, n0, group);
+  // Deep rings (split-K at batch 1) issue many k-tiles up front: a rolled loop keeps that code
+  // short, as a CTA runs it once with a cold instruction cache.
+#pragma unroll(kAhead > 4 ? 1 : kAhead)
   for (int st = 0; st < kAhead; ++st) {
     if (st < k_tiles) {
       if (kGatherA) {
@@ -266,8 +270,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   if (kGatherA && kAhead < k_tiles) {
     gather_a(x, rows[0], taps, kt_begin + kAhead, group * CG, tid, staged);
   }
-  // The epilogue's per-channel terms, loaded while the first copies are in flight.
-  fill_terms<kBN, kThreads>(ep, terms, n0, group);
+  store_terms<kBN, kThreads>(ep, term_loads, terms, n0);
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
     convert_b(stage(kt % kStages) + kATileBytes, tid);
@@ -353,5 +356,5 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     store_tile_planes<kRows, kBN, kCPitch, kThreads, kFlip>(
         ep, tile + split * kRows * kCPitch, terms, m0 + split * kRows, n0, group, y);
   }
-  wgmma::cluster_sync();  // no CTA leaves while another still reads its shared memory
+  wgmma::cluster_sync_relaxed();  // no CTA leaves while another still reads its shared memory
 }

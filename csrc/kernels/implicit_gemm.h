@@ -180,6 +180,34 @@ JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, 
   fill_terms<kCols, kThreads>(ep, terms, n0, group, threadIdx.x);
 }
 
+// fill_terms in two steps: the parameters' loads into registers (issued before a kernel's first
+// copies, so they are not queued behind them: at batch 1, folding after the copies waited on
+// loads that were behind a whole ring of copies), then the fold into the table.
+template <int kCols, int kThreads>
+struct TermLoads {
+  static constexpr int kPerThread = (kCols + kThreads - 1) / kThreads;
+  Epilogue::Raw raw[kPerThread];
+};
+template <int kCols, int kThreads>
+JF_DEVICE TermLoads<kCols, kThreads> load_terms(const Epilogue& ep, int n0, i64 group) {
+  TermLoads<kCols, kThreads> loads;
+#pragma unroll
+  for (int i = 0; i < loads.kPerThread; ++i) {
+    const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+    if (j < kCols && n0 + j < KG) loads.raw[i] = ep.raw(group * KG + n0 + j);
+  }
+  return loads;
+}
+template <int kCols, int kThreads>
+JF_DEVICE void store_terms(const Epilogue& ep, const TermLoads<kCols, kThreads>& loads,
+                           Epilogue::Channel* terms, int n0) {
+#pragma unroll
+  for (int i = 0; i < loads.kPerThread; ++i) {
+    const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+    if (j < kCols) terms[j] = n0 + j < KG ? ep.fold(loads.raw[i]) : Epilogue::Channel::identity();
+  }
+}
+
 // ----- NCHW: A gathered through registers, output stored plane by plane -----------------------
 //
 // Each thread owns one output pixel (one row of A) and gathers kVec consecutive kk of it per row

@@ -59,6 +59,13 @@ JF_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
                ::: "memory");
 }
+// The same barrier without the release: for a CTA's last wait on the others (none may leave
+// while another still reads its shared memory), whose remote reads have all returned (their
+// values are stored) before it arrives. The release would first wait for its global stores.
+JF_DEVICE void cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n"
+               ::: "memory");
+}
 JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
   u32 remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
