@@ -332,14 +332,18 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
   }
 }
 
+typedef TermLoads<kBN, 128> ConsumerTermLoads;
+
 // One consumer warpgroup's epilogue: its 64 rows (m_rows..) x kBN channels (n0..) of `group`
-// (`new_channels`: other channels than its previous tile's, whose terms the table holds).
+// (`new_channels`: other channels than its previous tile's, whose terms the table holds; their
+// parameters are in `loads`, issued before the tile's multiply).
 JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
-                          Epilogue::Channel* terms, bool new_channels, int consumer, int thread,
-                          i64 m_rows, int n0, i64 group, Io::type* y) {
+                          Epilogue::Channel* terms, bool new_channels,
+                          const ConsumerTermLoads& loads, int consumer, int thread, i64 m_rows,
+                          int n0, i64 group, Io::type* y) {
   SideChunk side[kSliceChunks];
   if constexpr (kSideAhead) load_slice_side<0>(ep, thread, m_rows, n0, group, side);
-  if (new_channels) fill_terms<kBN, 128>(ep, terms, n0, group, thread);
+  if (new_channels) store_terms(ep, loads, terms, n0, thread);
   store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, m_rows, n0, group, y);
 }
 
@@ -363,6 +367,12 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
     for (int b = 0; b < kRowBlocks; ++b)
 #pragma unroll
       for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
+    // New channels' epilogue parameters, loaded now: their latency overlaps the multiply
+    // instead of following it (at batch 1 a block has one tile, and that was its last wait).
+    const i64 first_channel = group * KG + n0;
+    const bool new_channels = first_channel != channels;
+    ConsumerTermLoads term_loads;
+    if (new_channels) term_loads = load_terms<kBN, 128>(ep, n0, group, thread);
     int previous = -1;
     if (kPingPong && j > 0) {  // the other consumer's tile j - 1 has landed (see the top)
       tma::wait(ring.turn_bar(consumer), static_cast<u32>((j - 1) / kConsumers) & 1);
@@ -387,11 +397,10 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 #pragma unroll
       for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[b][i]);
     tma::arrive(ring.empty_bar(previous));
-    const i64 first_channel = group * KG + n0;
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b) {
       const i64 rows = m0 + (kPingPong ? b * 64 : consumer * 64);
-      store_rows(ep, acc[b], staging, terms, b == 0 && first_channel != channels, consumer,
+      store_rows(ep, acc[b], staging, terms, b == 0 && new_channels, term_loads, consumer,
                  thread, rows, n0, group, y);
     }
     channels = first_channel;

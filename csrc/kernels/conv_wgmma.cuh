@@ -251,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   // warpgroup has waited for the multiply that read it (the wait, then the next barrier).
   constexpr int kAhead = kStages - 2;
   // The epilogue's per-channel parameters, loaded ahead of the copies and folded after them.
-  const TermLoads<kBN, kThreads> term_loads = load_terms<kBN, kThreads>(ep, n0, group);
+  const TermLoads<kBN, kThreads> term_loads = load_terms<kBN, kThreads>(ep, n0, group, tid);
   // Deep rings (split-K at batch 1) issue many k-tiles up front: a rolled loop keeps that code
   // short, as a CTA runs it once with a cold instruction cache.
 #pragma unroll(kAhead > 4 ? 1 : kAhead)
@@ -270,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
   if (kGatherA && kAhead < k_tiles) {
     gather_a(x, rows[0], taps, kt_begin + kAhead, group * CG, tid, staged);
   }
-  store_terms<kBN, kThreads>(ep, term_loads, terms, n0);
+  store_terms<kBN, kThreads>(ep, term_loads, terms, n0, tid);
   for (int kt = 0; kt < k_tiles; ++kt) {
     mma::wait_copies<kAhead - 1>();
     convert_b(stage(kt % kStages) + kATileBytes, tid);

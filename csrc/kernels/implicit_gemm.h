@@ -189,21 +189,22 @@ struct TermLoads {
   Epilogue::Raw raw[kPerThread];
 };
 template <int kCols, int kThreads>
-JF_DEVICE TermLoads<kCols, kThreads> load_terms(const Epilogue& ep, int n0, i64 group) {
+JF_DEVICE TermLoads<kCols, kThreads> load_terms(const Epilogue& ep, int n0, i64 group,
+                                                int thread) {
   TermLoads<kCols, kThreads> loads;
 #pragma unroll
   for (int i = 0; i < loads.kPerThread; ++i) {
-    const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int j = thread + i * kThreads;
     if (j < kCols && n0 + j < KG) loads.raw[i] = ep.raw(group * KG + n0 + j);
   }
   return loads;
 }
 template <int kCols, int kThreads>
 JF_DEVICE void store_terms(const Epilogue& ep, const TermLoads<kCols, kThreads>& loads,
-                           Epilogue::Channel* terms, int n0) {
+                           Epilogue::Channel* terms, int n0, int thread) {
 #pragma unroll
   for (int i = 0; i < loads.kPerThread; ++i) {
-    const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int j = thread + i * kThreads;
     if (j < kCols) terms[j] = n0 + j < KG ? ep.fold(loads.raw[i]) : Epilogue::Channel::identity();
   }
 }
