@@ -4,14 +4,18 @@
     ncu -i report.ncu-rep --page source --csv --print-source sass > sass.csv
     python scripts/ncu_hotspots.py sass.csv [--top 25]
 
-Prints the SASS lines with the most warp-stall samples (PC sampling), each with its share of
-all samples and the stall reasons ncu attributes to it, so a kernel's time can be pinned to
-its instructions (the barrier wait, a load's first use, the epilogue) instead of guessed.
+Prints the samples of the kernel's phases (setup before its first copy, the copies' issue, the
+main loop from its first to its last tensor-core multiply, the epilogue after it) with their
+main stall reasons, then the SASS lines with the most warp-stall samples (PC sampling), each
+with its share of all samples and the reasons ncu attributes to it, so a kernel's time can be
+pinned to its instructions (the barrier wait, a load's first use, the epilogue) instead of
+guessed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import io
 import sys
@@ -23,6 +27,20 @@ def _number(text: str) -> float:
         return float(text.replace(",", ""))
     except ValueError:
         return 0.0
+
+
+def _phases(sass: list[str]) -> list[tuple[str, int, int]]:
+    """(name, first line, end) of setup, copy issue, main loop and epilogue: split at the first
+    copy (cp.async or bulk tensor copy) and the first and last tensor-core multiply."""
+    def first(keys: tuple[str, ...], lines: range) -> int | None:
+        return next((i for i in lines if any(k in sass[i] for k in keys)), None)
+    copy = first(("LDGSTS", "UTMALDG", "UBLKCP"), range(len(sass)))
+    mma = first(("HGMMA", "HMMA"), range(len(sass)))
+    last = first(("HGMMA", "HMMA"), range(len(sass) - 1, -1, -1))
+    if copy is None or mma is None or last is None or not copy <= mma <= last:
+        return [("all", 0, len(sass))]
+    return [("setup", 0, copy), ("copies", copy, mma), ("main loop", mma, last + 1),
+            ("epilogue", last + 1, len(sass))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     reasons = [c for c in columns if c.startswith("stall_") or c.startswith("smsp__pcsamp")]
     total = sum(_number(r[samples]) for r in rows) or 1.0
     print(f"{len(rows)} SASS lines, {total:.0f} stall samples, {len(reasons)} reason columns")
+    for name, lo, hi in _phases([r[source].strip() for r in rows]):
+        counts: collections.Counter[str] = collections.Counter()
+        for r in rows[lo:hi]:
+            for c in reasons:
+                if "Not Issued" not in c:
+                    counts[c.replace("stall_", "")] += _number(r[c])
+        part = sum(_number(r[samples]) for r in rows[lo:hi]) / total
+        top = ", ".join(f"{k} {v:.0f}" for k, v in counts.most_common(4) if v > 0)
+        print(f"{name:<10} lines {lo:5d}-{hi:5d} {part:6.1%}  {top}")
     ranked = sorted(range(len(rows)), key=lambda i: _number(rows[i][samples]), reverse=True)
     for i in ranked[:args.top]:
         r = rows[i]
