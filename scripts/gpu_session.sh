@@ -39,6 +39,17 @@ fi
 py=python3
 sections=" $* "
 has() { [[ $sections == *" $1 "* ]]; }
+# Runs "$@" under a time cap in a process group of its own and ends the whole group after it:
+# pytest-xdist's workers outlive a pytest that `timeout` ended and kept running GPU tests
+# beside the next section's measurements (session 8, call 4).
+capped() {
+  local cap=$1; shift
+  setsid timeout "$cap" "$@" &
+  local pid=$!
+  wait "$pid"; local rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  return $rc
+}
 
 echo "== build"
 start=$(date +%s)
@@ -69,7 +80,7 @@ if has tests; then
   start=$(date +%s)
   # Autotuning is exercised by its own tests (and every variant by a forced-variant test).
   # shellcheck disable=SC2086
-  JAXFUSE_AUTOTUNE=0 timeout "${TESTS_CAP:-240}" $py -m pytest tests -m gpu -q \
+  JAXFUSE_AUTOTUNE=0 capped "${TESTS_CAP:-240}" $py -m pytest tests -m gpu -q \
     -p no:cacheprovider -n "${TESTS_WORKERS:-4}" --durations=5 ${TESTS_ARGS:-} \
     ${TESTS_K:+-k "$TESTS_K"} > "$OUT/tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
@@ -80,7 +91,7 @@ if has final; then
   # compilation is CPU-bound), under a hard time cap.
   echo "== final GPU tests ($(nvidia-smi -L | wc -l) GPUs)"
   start=$(date +%s)
-  JAXFUSE_AUTOTUNE=0 timeout "${FINAL_CAP:-400}" $py -m pytest -m gpu -q -p no:cacheprovider \
+  JAXFUSE_AUTOTUNE=0 capped "${FINAL_CAP:-400}" $py -m pytest -m gpu -q -p no:cacheprovider \
     -n "${FINAL_WORKERS:-4}" --durations=8 tests > "$OUT/final_tests.log" 2>&1
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error|Timeout" "$OUT/final_tests.log" | tail -25
