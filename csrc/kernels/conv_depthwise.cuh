@@ -13,15 +13,15 @@
 // terms are tabulated in shared memory once a CTA, a thread a channel, and each thread keeps
 // its own in registers. Each output word goes through the plan's epilogue and out as one
 // 32-bit store; a warp's stores cover consecutive channels of a pixel. Needs C % kCS == 0 and
-// buffers aligned to kFill bytes (4 or 16).
+// buffers aligned to kFill bytes (4 or 16). No tensor cores: a dense MMA over a depthwise
+// product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
+// NaN would leak across channels where the convolution has none.
 //
 // Walking (kWalk > 1): a CTA computes kWalk consecutive tiles of its slice (the next images'
 // tiles, for small images) with two windows in shared memory: the next tile's window is copied
 // while this one's outputs are computed, and the tables are built once for all of them. Small
 // layers at large batch otherwise spend each short CTA waiting for its one window, behind a
-// barrier, with the tables built again for a few thousand outputs. No tensor cores: a dense MMA over a depthwise
-// product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
-// NaN would leak across channels where the convolution has none.
+// barrier, with the tables built again for a few thousand outputs.
 //
 // jaxfuse_conv_depthwise_vector (the kernel before the tiled one: for filters too large for the
 // tiled kernel's registers, and one more candidate autotuning times): each thread computes one
@@ -79,7 +79,6 @@ JF_DEVICE Pointer advance(Pointer base, Idx offset) {
 }
 // CTA and tile numbers in 32 bits where they fit.
 typedef IndexType<(kTiles * kSlices < (i64(1) << 31))>::type TileIdx;
-constexpr TileIdx kGroups = TileIdx((kTiles + kWalk - 1) / kWalk);  // CTAs a slice
 
 static_assert(sizeof(FilterIo::type) == sizeof(Io::type), "filters in the plan's dtype");
 static_assert(K == C && G == C, "depthwise, multiplier 1");
@@ -181,8 +180,9 @@ JF_DEVICE u32 pack(const float (&v)[kCh]) {
 
 // Issues the copies of the input window of a tile (rows from ih0, columns from iw0) of the
 // slice at byte `x_slice` (x + n * H * W * C + first channel) into shared memory at `smem`
-// (address `smem_addr`), pixel-major, kCS channels a pixel; the caller commits and waits. Chunk i (kFill bytes) is byte i * kFill of the tile: row i / kRowChunks, column and
-// part of the pixel from i % kRowChunks. When kThreads is a multiple of kRowChunks, a thread's
+// (address `smem_addr`), pixel-major, kCS channels a pixel; the caller commits and waits.
+// Chunk i (kFill bytes) is byte i * kFill of the tile: row i / kRowChunks, column and part of
+// the pixel from i % kRowChunks. When kThreads is a multiple of kRowChunks, a thread's
 // column and part are the same at every step and only its row advances.
 constexpr int kRowChunks = kTileCols * kChunksPerPixel;
 constexpr Idx kRowBytes = kW * kC * Idx(sizeof(T)), kPixelBytes = kC * Idx(sizeof(T));
