@@ -168,11 +168,12 @@ if has ncu; then
         || timeout "$left" ncu --profile-from-start off --clock-control none $ncu_sections \
           "${cmd[@]}" > "$report" 2>&1
       echo "-- $run $which (exit $?)"
-      if [[ ${NCU_SOURCE:-0} == 1 && $which == fused ]]; then
-        rep="$OUT/ncu_${layer}_${dtype}_${batch}_source"
+      left=$(( deadline - $(date +%s) ))
+      if [[ ${NCU_SOURCE:-0} == 1 && $which == fused ]] && (( left > 20 )); then
+        rep="${report%_fused.txt}_${layout:-NHWC}_${chain:-CBNA}_source"
         timeout "$left" ncu --profile-from-start off --clock-control none \
           --section SourceCounters -f -o "$rep" "${cmd[@]}" > /dev/null 2>&1
-        ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
+        timeout 60 ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>&1
         rm -f "$rep.ncu-rep"
         $py scripts/ncu_hotspots.py "$rep.csv" --top 30
       fi
@@ -203,7 +204,8 @@ if has cache; then
 fi
 # At most 8 files come back from a call: the logs, JSON and plots go back as one archive beside
 # the build and the kernel cache.
-(cd "$OUT" && ls | grep -v -E '\.so$|^csrc_hash$|^jaxfuse-cache\.tgz$' > /tmp/jaxfuse-logs.txt
+(cd "$OUT" && ls | grep -v -E '\.so$|^csrc_hash$|^jaxfuse-cache\.tgz$|^logs\.tgz$' > /tmp/jaxfuse-logs.txt
  if [[ -s /tmp/jaxfuse-logs.txt ]]; then
+   rm -f logs.tgz  # (an earlier run's, where $OUT is reused)
    tar czf logs.tgz -T /tmp/jaxfuse-logs.txt && xargs rm -rf < /tmp/jaxfuse-logs.txt
  fi)

@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no source table in", args.csv_file, file=sys.stderr)
         print(text[:2000], file=sys.stderr)
         return 1
-    rows = list(csv.DictReader(io.StringIO(text[start:])))
+    # One kernel's table: a report of several repeats the header for each.
+    header_end = text.find("\n", start)
+    again = text.find(text[start:header_end], header_end)
+    rows = list(csv.DictReader(io.StringIO(text[start:again if again > 0 else len(text)])))
     if not rows:
         return 1
     columns = list(rows[0])
@@ -65,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if samples is None:
         print("columns:", columns, file=sys.stderr)
         return 1
-    source = next(c for c in columns if c == "Source")
+    source = next((c for c in columns if c == "Source"), None)
+    if source is None:
+        print("columns:", columns, file=sys.stderr)
+        return 1
     address = columns[0]
     reasons = [c for c in columns if c.startswith("stall_") or c.startswith("smsp__pcsamp")]
     total = sum(_number(r[samples]) for r in rows) or 1.0

@@ -188,11 +188,15 @@ DEPTHWISE_CASES = [
 
 
 # Layers large enough that the depthwise solver also offers its best tiling walking 2 and 4
-# tiles a CTA (two windows in shared memory): tile counts that do not divide by the walk,
-# partial tiles, stride 2, a side input, per-activation batch norm, each dtype.
+# tiles a CTA (two windows in shared memory): a last CTA with 1, 2 or 3 tiles of its walk (37,
+# 38 and 39 images of one 7x7 tile), partial tiles, stride 2, 4-byte copies (20 channels), a
+# side input, per-activation batch norm, each dtype.
 WALKING_DEPTHWISE_CASES = [
     depthwise_case(192, n=32, h=28, w=28, dtype="bfloat16", activation="clipped_relu"),
     depthwise_case(960, n=37, h=7, w=7, dtype="bfloat16", ops="CBNSA"),
+    depthwise_case(960, n=38, h=7, w=7, dtype="bfloat16", ops="CBNSA"),
+    depthwise_case(960, n=39, h=7, w=7, dtype="float16"),
+    depthwise_case(20, n=160, h=28, w=28, dtype="bfloat16"),
     depthwise_case(96, n=16, h=56, w=56, strides=(2, 2), dtype="float16"),
     depthwise_case(144, n=16, h=28, w=28, dtype="float32", padding="SAME"),
     depthwise_case(64, n=24, h=20, w=18, dtype="float32", bn_mode="per_activation", ops="CNA"),

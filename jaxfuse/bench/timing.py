@@ -32,7 +32,9 @@ def batched(fn: Callable[..., Any], chained: bool = False
 
     `chained`: op k's inputs wait for op k-1's result (``lax.optimization_barrier``), as a
     network's layers do. Independent ops of one program are free to be merged: XLA's horizontal
-    fusion runs K small loop fusions as one kernel, which no chain of layers allows."""
+    fusion runs K small loop fusions as one kernel, which no chain of layers allows. All of op
+    k's inputs wait, its parameters too, so work on parameters alone (folding a batch norm,
+    casting filters) cannot move ahead either, which a network's could."""
     if not chained:
         return jax.jit(lambda sets: [fn(*s) for s in sets])
 
