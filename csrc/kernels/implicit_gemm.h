@@ -166,23 +166,11 @@ JF_DEVICE void store_tile(const Epilogue& ep, const float* tile,
   }
 }
 
-// The per-channel epilogue terms of channels n0 .. n0 + kCols of `group`, filled by the
-// kThreads threads numbered `thread` (the block's, unless a warpgroup fills its own table).
-template <int kCols, int kThreads>
-JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group,
-                          int thread) {
-  for (int j = thread; j < kCols; j += kThreads) {
-    terms[j] = n0 + j < KG ? ep.channel(group * KG + n0 + j) : Epilogue::Channel::identity();
-  }
-}
-template <int kCols, int kThreads>
-JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
-  fill_terms<kCols, kThreads>(ep, terms, n0, group, threadIdx.x);
-}
-
-// fill_terms in two steps: the parameters' loads into registers (issued before a kernel's first
-// copies, so they are not queued behind them: at batch 1, folding after the copies waited on
-// loads that were behind a whole ring of copies), then the fold into the table.
+// The per-channel epilogue terms of channels n0 .. n0 + kCols of `group`, in two steps: the
+// parameters' loads into registers (a kernel may issue them before its first copies, so they
+// are not queued behind them: at batch 1, folding after the copies waited on loads that were
+// behind a whole ring of copies), then the fold into the table, by the kThreads threads
+// numbered `thread` (the block's, unless a warpgroup fills its own table).
 template <int kCols, int kThreads>
 struct TermLoads {
   static constexpr int kPerThread = (kCols + kThreads - 1) / kThreads;
@@ -207,6 +195,12 @@ JF_DEVICE void store_terms(const Epilogue& ep, const TermLoads<kCols, kThreads>&
     const int j = thread + i * kThreads;
     if (j < kCols) terms[j] = n0 + j < KG ? ep.fold(loads.raw[i]) : Epilogue::Channel::identity();
   }
+}
+// Both steps at once.
+template <int kCols, int kThreads>
+JF_DEVICE void fill_terms(const Epilogue& ep, Epilogue::Channel* terms, int n0, i64 group) {
+  const int thread = static_cast<int>(threadIdx.x);
+  store_terms(ep, load_terms<kCols, kThreads>(ep, n0, group, thread), terms, n0, thread);
 }
 
 // ----- NCHW: A gathered through registers, output stored plane by plane -----------------------
