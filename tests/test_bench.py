@@ -9,7 +9,7 @@ import pytest
 from jaxfuse.bench.__main__ import run_case
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
-from jaxfuse.bench.timing import wall_times_interleaved
+from jaxfuse.bench.timing import batched, wall_times_interleaved
 
 
 def test_programs_are_timed_in_turns() -> None:
@@ -27,12 +27,27 @@ def test_programs_are_timed_in_turns() -> None:
     assert calls == ["a", "b"] * 4  # warm-up round, then three timed rounds
 
 
+def test_chained_ops_wait_for_each_other_and_compute_the_same() -> None:
+    def op(x, w):
+        return jnp.tanh(x * w)
+
+    sets = [(jnp.full((4,), float(i + 1)), jnp.full((4,), 0.5)) for i in range(3)]
+    independent, chained = batched(op), batched(op, chained=True)
+    for a, b in zip(independent(sets), chained(sets), strict=True):
+        assert jnp.array_equal(a, b)
+    text = chained.lower(sets).as_text()
+    assert text.count("optimization_barrier") == len(sets) - 1
+    assert "optimization_barrier" not in independent.lower(sets).as_text()
+
+
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("layer,chain", [("NA_C1024_H14", "NA"), ("r50_l4_1x1_2048", "CBNA")])
-def test_a_case_reports_every_mode_against_xla(layer: str, chain: str) -> None:
+def test_a_case_reports_every_mode_against_xla(layer: str, chain: str, chained: bool) -> None:
     device = jax.devices("cpu")[0]
     case = BenchCase.for_layer(layer, 1, "float32", "NHWC", chain)
     ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
-    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False)
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False,
+                   chained=chained)
     for mode in ("xla", "fused", "auto"):
         assert row[f"{mode}_wall_us"] > 0
     for mode in ("fused", "auto"):
