@@ -226,16 +226,25 @@ JF_DEVICE void fill_tile(unsigned char* smem, u32 smem_addr, const unsigned char
   }
 }
 
-// Tile `tile` (image, tile row, tile column) of the slice starting at channel `channel0`:
-// issues its window's copies into window `buffer`.
+// Tile number -> its image, tile row and tile column.
+struct TilePosition {
+  i64 n;
+  int th, tw;
+};
+JF_DEVICE TilePosition tile_position(TileIdx tile) {
+  return {tile / TileIdx(kTilesW * kTilesH),
+          static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH)),
+          static_cast<int>(tile % TileIdx(kTilesW))};
+}
+
+// Tile `tile` of the slice starting at channel `channel0`: issues its window's copies into
+// window `buffer`.
 JF_DEVICE void fill_window(unsigned char* smem, const T* x, TileIdx tile, int channel0,
                            int buffer, int tid) {
-  const int tw = static_cast<int>(tile % TileIdx(kTilesW));
-  const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
-  const i64 n = tile / TileIdx(kTilesW * kTilesH);
+  const TilePosition at = tile_position(tile);
   fill_tile(smem + buffer * kWindowBytes, shared_address(smem) + buffer * kWindowBytes,
-            reinterpret_cast<const unsigned char*>(x + n * (H * W * C) + channel0),
-            th * kTH * SH - PT, tw * kTW * SW - PL, tid);
+            reinterpret_cast<const unsigned char*>(x + at.n * (H * W * C) + channel0),
+            at.th * kTH * SH - PT, at.tw * kTW * SW - PL, tid);
 }
 
 }  // namespace depthwise
@@ -293,9 +302,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
 
   for (int step = 0; step < count; ++step) {
     const TileIdx tile = first_tile + step;
-    const int tw = static_cast<int>(tile % TileIdx(kTilesW));
-    const int th = static_cast<int>(tile / TileIdx(kTilesW) % TileIdx(kTilesH));
-    const i64 n = tile / TileIdx(kTilesW * kTilesH);
+    const auto [n, th, tw] = tile_position(tile);
     const int oh0 = th * kTH + bi * kBH, ow0 = tw * kTW + bj * kBW;  // this thread's block
     // A block wholly beyond the output's edge has nothing to compute (it still takes part in
     // the barriers below).
