@@ -3,7 +3,7 @@
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu find probe
-#                                               dwsweep cache
+#                                               dwsweep xla cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_WDTYPE
@@ -19,7 +19,8 @@
 # (scripts/ncu_hotspots.py); LAYER_CHAIN ("0", "1" or "0 1"): layer runs whose K ops are
 # independent (0) or each waiting for the previous one (1: --chain, as in a network);
 # DWSWEEP_ARGS, arguments of scripts/depthwise_sweep.py (every depthwise variant forced, DWSWEEP_CAP);
-# FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP).
+# FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP);
+# XLA_RUNS, layer:dtype:batch runs of scripts/xla_kernels.py (XLA's kernels for the unfused case).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
 # as .prebuilt/ (git-ignored, named in the device tool's `carry`). It is used only while csrc/
@@ -200,6 +201,14 @@ if has dwsweep; then
   timeout "${DWSWEEP_CAP:-360}" $py scripts/depthwise_sweep.py ${DWSWEEP_ARGS:---suite mobilenetv2} \
     --json "$OUT/dwsweep.json" > "$OUT/dwsweep.log" 2> "$OUT/dwsweep_detail.log"
   echo "sweep exit $?"; cat "$OUT/dwsweep.log"
+fi
+if has xla; then
+  echo "== XLA's own kernels for benchmark cases (block shapes from its PTX)"
+  for run in ${XLA_RUNS:-NA_C256_H56:bfloat16:1}; do
+    IFS=: read -r layer dtype batch <<< "$run"
+    timeout 120 $py scripts/xla_kernels.py "$layer" --dtype "$dtype" --batch "$batch" \
+      --out "$OUT/xla_${layer}_${dtype}_${batch}" 2>&1 | grep -v "^W[0-9]" | tail -20
+  done
 fi
 if has cache; then
   tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
