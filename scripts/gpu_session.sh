@@ -3,7 +3,7 @@
 # each under its own time cap, printing short tables last. Logs, JSON and plots go under $OUT.
 #
 #   bash scripts/gpu_session.sh SECTION...     sections: tests final layers models latency ncu find probe
-#                                               dwsweep xla cache
+#                                               sweep xla cache
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_WDTYPE
@@ -18,7 +18,8 @@
 # NCU_SOURCE=1: also a PC-sampling pass per fused kernel, its hottest SASS lines printed
 # (scripts/ncu_hotspots.py); LAYER_CHAIN ("0", "1" or "0 1"): layer runs whose K ops are
 # independent (0) or each waiting for the previous one (1: --chain, as in a network);
-# DWSWEEP_ARGS, arguments of scripts/depthwise_sweep.py (every depthwise variant forced, DWSWEEP_CAP);
+# SWEEP_ARGS, arguments of scripts/variant_sweep.py (every kernel variant forced; by default
+# MobileNetV2's depthwise layers; SWEEP_CAP);
 # FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP);
 # XLA_RUNS, layer:dtype:batch runs of scripts/xla_kernels.py (XLA's kernels for the unfused case).
 #
@@ -193,14 +194,14 @@ if has find; then
       2>&1 | grep -v "^W[0-9]" | tee -a "$OUT/find.log" | tail -16
   done
 fi
-if has dwsweep; then
-  echo "== depthwise variants, each forced"
-  # Eight processes (the autotuned choice and each of 7 variants), each compiling and timing
-  # every layer: MobileNetV2's six at batch 64 took more than 150 s (session 8, call 3).
+if has sweep; then
+  echo "== kernel variants, each forced"
+  # A process per variant (and one for the autotuned choice), each compiling and timing every
+  # layer: MobileNetV2's six depthwise layers at batch 64 took more than 150 s (session 8).
   # shellcheck disable=SC2086
-  timeout "${DWSWEEP_CAP:-360}" $py scripts/depthwise_sweep.py ${DWSWEEP_ARGS:---suite mobilenetv2} \
-    --json "$OUT/dwsweep.json" > "$OUT/dwsweep.log" 2> "$OUT/dwsweep_detail.log"
-  echo "sweep exit $?"; cat "$OUT/dwsweep.log"
+  timeout "${SWEEP_CAP:-360}" $py scripts/variant_sweep.py ${SWEEP_ARGS:---suite mobilenetv2} \
+    --json "$OUT/sweep.json" > "$OUT/sweep.log" 2> "$OUT/sweep_detail.log"
+  echo "sweep exit $?"; cat "$OUT/sweep.log"
 fi
 if has xla; then
   echo "== XLA's own kernels for benchmark cases (block shapes from its PTX)"

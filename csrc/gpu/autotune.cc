@@ -133,20 +133,24 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
   // and kernels that keep more copies in flight win there but not from L2 (the Hopper
   // kernels' split-K rings at batch 1). So for problems of at most half the L2, each timed
   // launch follows an overwrite of a buffer twice its size (larger ones spill out of L2 on
-  // their own; their inputs, a network's previous outputs, may well be in it).
+  // their own; their inputs, a network's previous outputs, may well be in it). Plans without
+  // a convolution read only such outputs, just written by the kernel before them: they are
+  // timed warm.
   void* flush = nullptr;
   size_t flush_bytes = 0;
-  try {
-    const size_t l2 = driver.L2Bytes(ordinal);
-    const double footprint = double(spec.input_elements() + spec.output_elements()) *
-                                 dtype_size(spec.dtype) +
-                             double(spec.filter_elements()) * dtype_size(spec.filter_dtype);
-    if (l2 > 0 && footprint <= 0.5 * double(l2)) {
-      flush_bytes = 2 * l2;
-      flush = buffers.Allocate(flush_bytes);
+  if (spec.has_conv) {
+    try {
+      const size_t l2 = driver.L2Bytes(ordinal);
+      const double footprint = double(spec.input_elements() + spec.output_elements()) *
+                                   dtype_size(spec.dtype) +
+                               double(spec.filter_elements()) * dtype_size(spec.filter_dtype);
+      if (l2 > 0 && footprint <= 0.5 * double(l2)) {
+        flush_bytes = 2 * l2;
+        flush = buffers.Allocate(flush_bytes);
+      }
+    } catch (const std::exception&) {
+      flush = nullptr;  // no attribute or no room: time warm, as before
     }
-  } catch (const std::exception&) {
-    flush = nullptr;  // no attribute or no room: time warm, as before
   }
 
   std::vector<float> reference, output(spec.output_elements());

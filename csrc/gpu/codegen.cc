@@ -1074,40 +1074,70 @@ std::string WgmmaSwappedFunction(int n, int dtype) {
                    });
 }
 
-// The pointwise kernel's launch: at most 8 blocks of 256 threads per multiprocessor (each then
-// streams several vectors, with kUnroll of them in flight), or one vector per thread for small
-// tensors (the grid's threads cover the tensor; with whole channel vectors per pixel, the
-// threads past a multiple of them idle): jaxfuse_pointwise then loads it first
-// (pointwise.cuh: kSingleVector).
+// The pointwise kernel's shape: each thread moves `vec_bytes` (16, or 8 for 16-bit data) a
+// step, blocks of `threads`, as many blocks as fill the multiprocessors' 2048 threads (each
+// then streams several vectors, with kUnroll of them in flight), or one vector per thread for
+// small tensors (the grid's threads cover the tensor; with whole channel vectors per pixel,
+// the threads past a multiple of them idle): jaxfuse_pointwise then loads it first
+// (pointwise.cuh: kSingleVector). `vector_terms`: pointwise.cuh's kVectorTerms.
+struct PointwiseShape {
+  int vec_bytes = 16;
+  unsigned threads = 256;
+  bool vector_terms = false;
+};
+
 struct PointwiseLaunch {
   unsigned grid;
-  bool fixed_channels;  // NHWC, whole 16-byte vectors of channels per pixel
+  bool fixed_channels;  // NHWC, whole vectors of channels per pixel
   bool single;          // one vector a thread
 };
 
-PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& device) {
-  const int lanes = ChunkValues(spec.dtype);
+PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& device,
+                                   const PointwiseShape& shape) {
+  const int lanes = shape.vec_bytes / static_cast<int>(dtype_size(spec.dtype));
   const int64_t elements = spec.output_elements();
   PointwiseLaunch launch;
   launch.fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
-  launch.grid = std::min(GridFor(elements / lanes + 1, 256, device),
-                         static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
-  int64_t threads = int64_t{launch.grid} * 256;
+  const unsigned per_sm = 2048 / shape.threads;
+  launch.grid = std::min(GridFor(elements / lanes + 1, shape.threads, device),
+                         static_cast<unsigned>(std::max(device.sm_count, 1)) * per_sm);
+  int64_t threads = int64_t{launch.grid} * shape.threads;
   if (launch.fixed_channels) threads -= threads % (spec.c / lanes);
   launch.single = threads >= elements / lanes;
   return launch;
 }
 
-// pointwise.cuh's kVectorTerms variant: single vectors of fixed channels, with per-channel
-// parameters to read (bias or spatial batch norm).
-bool PointwiseVectorTermsApply(const PlanSpec& spec, const DeviceInfo& device) {
-  const PointwiseLaunch launch = PointwiseLaunchFor(spec, device);
-  return !spec.has_conv && launch.fixed_channels && launch.single &&
-         (spec.has(PointwiseOp::kBias) || spec.bn == BnMode::kSpatial);
+// The pointwise kernel's variants, autotuned: first the block table of 16-byte vectors in
+// blocks of 256 (the heuristic's choice); for single vectors of fixed channels with
+// per-channel parameters, each thread reading its own terms (kVectorTerms); and for small
+// 16-bit tensors, where the kernel's time is a few memory latencies, the shapes XLA's loop
+// fusions take at batch 1 (8-byte vectors, blocks of 128: twice the threads, each with half
+// the work) and their mixes, each with a table and with terms of its own.
+std::vector<PointwiseShape> PointwiseShapes(const PlanSpec& spec, const DeviceInfo& device) {
+  std::vector<PointwiseShape> shapes{{16, 256, false}};
+  const bool per_channel = spec.has(PointwiseOp::kBias) || spec.bn == BnMode::kSpatial;
+  auto offer = [&](int vec_bytes, unsigned threads) {
+    const PointwiseShape table{vec_bytes, threads, false};
+    const PointwiseLaunch launch = PointwiseLaunchFor(spec, device, table);
+    if (!launch.single) return;
+    if (vec_bytes != 16 || threads != 256) shapes.push_back(table);
+    // Terms of its own: 4 channels or more a thread (whole 16-byte parameter loads).
+    if (launch.fixed_channels && per_channel &&
+        vec_bytes / static_cast<int>(dtype_size(spec.dtype)) % 4 == 0) {
+      shapes.push_back({vec_bytes, threads, true});
+    }
+  };
+  offer(16, 256);
+  if (dtype_size(spec.dtype) == 2) {
+    offer(16, 128);
+    offer(8, 128);
+    offer(8, 256);
+  }
+  return shapes;
 }
 
 int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
-  if (!spec.has_conv) return PointwiseVectorTermsApply(spec, device) ? 2 : 1;
+  if (!spec.has_conv) return static_cast<int>(PointwiseShapes(spec, device).size());
   if (WgmmaApplies(spec, device)) {
     const size_t tma = TmaApplies(spec, device) ? TmaCandidates(spec, device).size() : 0;
     return static_cast<int>(WgmmaCandidates(spec, device).size() + tma);
@@ -1125,25 +1155,30 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
   variant = std::max(variant, 0);  // (indices past a solver's last variant clamp below)
   const int64_t elements = spec.output_elements();
   if (!spec.has_conv) {
-    const PointwiseLaunch launch = PointwiseLaunchFor(spec, device);
-    const bool fixed_channels = launch.fixed_channels, single = launch.single;
-    const unsigned grid = launch.grid;
-    // Variant 1 (CountVariants): kVectorTerms, no table.
-    const bool vector_terms = variant == 1 && PointwiseVectorTermsApply(spec, device);
+    const std::vector<PointwiseShape> shapes = PointwiseShapes(spec, device);
+    const PointwiseShape& shape = shapes[std::min<size_t>(variant, shapes.size() - 1)];
+    const PointwiseLaunch launch = PointwiseLaunchFor(spec, device, shape);
     // pointwise.cuh: kChannelTable.
     const unsigned table_bytes =
-        (!fixed_channels || single) && spec.c <= kMaxTableChannels && !vector_terms
+        (!launch.fixed_channels || launch.single) && spec.c <= kMaxTableChannels &&
+                !shape.vector_terms
             ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
             : 0;
     out.solver = "pointwise";
-    out.tile = vector_terms ? "vector terms" : "";
+    if (shape.vec_bytes != 16 || shape.threads != 256) {
+      out.tile = std::to_string(shape.vec_bytes) + "B x" + std::to_string(shape.threads);
+    }
+    if (shape.vector_terms) out.tile += out.tile.empty() ? "vector terms" : " vector terms";
     out.source = TranslationUnit(
         spec,
-        std::string("constexpr bool kSingleVector = ") + (single ? "true" : "false") +
-            ";\nconstexpr bool kVectorTerms = " + (vector_terms ? "true" : "false") + ";\n",
+        std::string("constexpr bool kSingleVector = ") + (launch.single ? "true" : "false") +
+            ";\nconstexpr bool kVectorTerms = " + (shape.vector_terms ? "true" : "false") +
+            ";\nconstexpr int kVecBytes = " + std::to_string(shape.vec_bytes) + ";\n",
         {"pointwise.cuh"});
-    out.entries.push_back({"jaxfuse_pointwise", grid, 256, table_bytes, 16});
-    out.entries.push_back({"jaxfuse_pointwise_scalar", grid, 256, table_bytes, 1});
+    out.entries.push_back({"jaxfuse_pointwise", launch.grid, shape.threads, table_bytes,
+                           shape.vec_bytes});
+    out.entries.push_back(
+        {"jaxfuse_pointwise_scalar", launch.grid, shape.threads, table_bytes, 1});
     return out;
   }
   const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};

@@ -1,8 +1,9 @@
 // Plans without a convolution (N, A, NA, BA, BNSA, ...): one pass over the tensor, the
 // epilogue applied to each element between its single load and single store.
 //
-// jaxfuse_pointwise moves 16 bytes per thread per step, several steps in flight (needs 16-byte
-// aligned buffers); jaxfuse_pointwise_scalar handles any alignment. The host picks one per call.
+// jaxfuse_pointwise moves kVecBytes (16, or 8: a code-generator variant) per thread per step,
+// several steps in flight (needs kVecBytes-aligned buffers); jaxfuse_pointwise_scalar handles
+// any alignment. The host picks one per call.
 // Per-channel terms (bias, batch norm as epilogue.h's bn_fold) are computed once per block into
 // a shared-memory table when they fit: reading them per element from global memory costs more
 // L1 traffic than the tensor itself when channels vary fastest (NHWC).
@@ -13,8 +14,12 @@ namespace kernels {
 
 using namespace plan;
 
-constexpr int kUnroll = 4;  // 16-byte vectors in flight per thread
-constexpr int kLanes = sizeof(Vec16) / sizeof(Io::type);
+constexpr int kUnroll = 4;  // vectors in flight per thread
+// A thread's vector: kVecBytes of the tensor, one load or store.
+struct alignas(kVecBytes) Vec {
+  u32 v[kVecBytes / 4];
+};
+constexpr int kLanes = kVecBytes / sizeof(Io::type);
 // NHWC with whole channel vectors: each thread keeps one group of kLanes channels for the whole
 // kernel (its stride is a multiple of C / kLanes), so their terms live in registers.
 constexpr bool kFixedChannels = kNHWC && C % kLanes == 0;
@@ -27,7 +32,7 @@ constexpr i64 kVectorsPerPixel = C / kLanes;
 // kVectorTerms (a code-generator variant, autotuned against the table): a thread with a single
 // vector of fixed channels reads its kLanes channels' parameters itself, 16 bytes at a time
 // (kLanes / 4 loads per parameter array instead of kLanes), issued with its vector's load: no
-// block-wide table, no barrier before the first store.
+// block-wide table, no barrier before the first store. (kLanes is a multiple of 4 there.)
 constexpr bool kChannelTable =
     (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels && !kVectorTerms;
 
@@ -71,12 +76,12 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
   constexpr i64 kVectors = kOutElements / kLanes;
   // NCHW planes that are a whole number of vectors keep one channel per vector.
   constexpr bool kChannelPerVector = !kNHWC && (H * W) % kLanes == 0;
-  const Vec16* x = static_cast<const Vec16*>(p.x);
-  Vec16* y = static_cast<Vec16*>(p.y);
+  const Vec* x = static_cast<const Vec*>(p.x);
+  Vec* y = static_cast<Vec*>(p.y);
   // Small tensors (kSingleVector, from the code generator: at most one vector a thread): the
   // vector is loaded before anything else, so its latency overlaps the scalars' and the
   // per-channel terms' loads instead of following them (batch 1 is latency bound).
-  Vec16 early{};
+  Vec early{};
   if (kSingleVector && global_thread_index() < kVectors) early = x[global_thread_index()];
   const Epilogue ep(p);
   const ChannelTerms terms = fill_channel_table(ep, table);
@@ -94,9 +99,9 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
     }
   }
   // The chain on vector v, whose values `in` holds, stored to y.
-  auto run = [&](const Vec16& in, i64 v) {
+  auto run = [&](const Vec& in, i64 v) {
     const T* lanes = reinterpret_cast<const T*>(&in);
-    Vec16 out;
+    Vec out;
     T* out_lanes = reinterpret_cast<T*>(&out);
     const i64 first = v * kLanes;
     Epilogue::Channel shared_channel;
@@ -115,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
     if (global_thread_index() < kVectors) run(early, global_thread_index());
   } else {
     for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
-      Vec16 in[kUnroll];
+      Vec in[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll * 16 bytes in flight
         if (v0 + u * stride < kVectors) in[u] = x[v0 + u * stride];

@@ -1,15 +1,16 @@
-"""Depthwise sweep on a GPU: each tile variant of the conv_depthwise solver forced, the one
-autotuning picks, and XLA's composition, on the MobileNet suites' depthwise layers.
+"""Kernel-variant sweep on a GPU: each variant a solver offers forced, the one autotuning
+picks, and XLA's composition, on a suite's layers: by default the MobileNet suites' depthwise
+layers (`--kind all`: every layer, e.g. the pointwise NA suite).
 
-    python scripts/depthwise_sweep.py --batch 64 --dtype bfloat16 [--json out.json]
+    python scripts/variant_sweep.py --batch 64 --dtype bfloat16 [--json out.json]
+    python scripts/variant_sweep.py --suite na --kind all --batch 1 --variants 8
 
 Every variant runs in its own child process (JAXFUSE_KERNEL_VARIANT is read once a process);
-the variants beyond the tiled kernel's are the vector kernel it replaced ("vector"), so old and
-new are timed in the same run. Per layer it prints device time (profiler, K distinct input sets
-in one jit, as `python -m jaxfuse.bench` measures), achieved GB/s on the minimal bytes (input,
-filters and output once) and their fraction of the copy bandwidth measured in the same run
-(issue #14's target: >= 80% at batch 64), XLA's device time, and the relative error against
-XLA's result on the same inputs.
+indices past a plan's last variant repeat it and are printed once. Per layer it prints device
+time (profiler, K distinct input sets in one jit, as `python -m jaxfuse.bench` measures),
+achieved GB/s on the minimal bytes (input, filters and output once) and their fraction of the
+copy bandwidth measured in the same run (issue #14's depthwise target: >= 80% at batch 64),
+XLA's device time, and the relative error against XLA's result on the same inputs.
 """
 
 from __future__ import annotations
@@ -22,21 +23,22 @@ import sys
 import tempfile
 from typing import Any
 
-VARIANTS = 7  # at most 4 tilings, 2 walking ones and the vector kernel
+VARIANTS = 7  # depthwise: at most 4 tilings, 2 walking ones and the vector kernel
 
 
-def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str) -> list[Any]:
+def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str,
+           kind: str = "depthwise") -> list[Any]:
     from jaxfuse.bench.cases import BenchCase
     from jaxfuse.bench.layers import SUITES
 
     seen, cases = set(), []
     for suite in suites:
         for layer in SUITES[suite]:
-            if layer.groups <= 1 or (only and only not in layer.name):
+            if (kind == "depthwise" and layer.groups <= 1) or (only and only not in layer.name):
                 continue
             for n in batches:
                 for dtype in dtypes:
-                    case = BenchCase(layer, n, dtype, "NHWC", "CBNA")
+                    case = BenchCase.for_layer(layer, n, dtype, "NHWC", "CBNA")
                     if case.label() not in seen:
                         seen.add(case.label())
                         cases.append(case)
@@ -54,7 +56,7 @@ def child(args: argparse.Namespace) -> None:
         return device_time_per_op(run, sets) or wall_time_per_op(run, sets, repeats=3)
 
     device = jax.devices(args.platform)[0]
-    for case in _cases(args.suite, args.batch, args.dtype, args.only):
+    for case in _cases(args.suite, args.batch, args.dtype, args.only, args.kind):
         row: dict[str, Any] = {"case": case.label(), "variant": args.child}
         try:
             plan, ops = case.plan(device, solver="fused")
@@ -80,6 +82,8 @@ def main() -> int:
     parser.add_argument("--batch", nargs="+", type=int, default=[64])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
     parser.add_argument("--only", default="", help="layers whose name contains this")
+    parser.add_argument("--kind", default="depthwise", choices=["depthwise", "all"],
+                        help="the suites' depthwise layers, or all of them")
     parser.add_argument("--sets", type=int, default=8)
     parser.add_argument("--variants", type=int, default=VARIANTS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per child")
@@ -99,7 +103,7 @@ def main() -> int:
     copy = measure_ceilings(jax.devices(args.platform)[0], matmul_size=256).copy_bandwidth
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s", file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    cache = tempfile.mkdtemp(prefix="jaxfuse-dw-")  # tuned choices made fresh in this run
+    cache = tempfile.mkdtemp(prefix="jaxfuse-sweep-")  # tuned choices made fresh in this run
     for variant in ["tuned", *map(str, range(args.variants))]:
         env = {**os.environ, "JAXFUSE_CACHE_DIR": cache, "JAXFUSE_SOLVER": "fused"}
         env.pop("JAXFUSE_KERNEL_VARIANT", None)
@@ -107,7 +111,8 @@ def main() -> int:
             env["JAXFUSE_KERNEL_VARIANT"] = variant
         command = [sys.executable, "-P", os.path.abspath(__file__), "--child", variant,
                    "--suite", *args.suite, "--batch", *map(str, args.batch),
-                   "--dtype", *args.dtype, "--only", args.only, "--sets", str(args.sets),
+                   "--dtype", *args.dtype, "--only", args.only, "--kind", args.kind,
+                   "--sets", str(args.sets),
                    "--platform", args.platform]
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -122,7 +127,8 @@ def main() -> int:
                       file=sys.stderr)
         rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
-    cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only)}
+    cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only,
+                                          args.kind)}
     print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "
           f"{'% copy':>6} {'err':>8}")
     for label, case in cases.items():
