@@ -1075,14 +1075,13 @@ std::string WgmmaSwappedFunction(int n, int dtype) {
 }
 
 // The pointwise kernel's shape: each thread moves `vec_bytes` (16, or 8 for 16-bit data) a
-// step, blocks of `threads`, as many blocks as fill the multiprocessors' 2048 threads (each
-// then streams several vectors, with kUnroll of them in flight), or one vector per thread for
+// step, in at most 8 blocks of 256 threads per multiprocessor (each then streams several
+// vectors, with kUnroll of them in flight), or one vector per thread for
 // small tensors (the grid's threads cover the tensor; with whole channel vectors per pixel,
 // the threads past a multiple of them idle): jaxfuse_pointwise then loads it first
 // (pointwise.cuh: kSingleVector). `vector_terms`: pointwise.cuh's kVectorTerms.
 struct PointwiseShape {
   int vec_bytes = 16;
-  unsigned threads = 256;
   bool vector_terms = false;
 };
 
@@ -1098,41 +1097,37 @@ PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& devic
   const int64_t elements = spec.output_elements();
   PointwiseLaunch launch;
   launch.fixed_channels = spec.layout == Layout::kNHWC && spec.c % lanes == 0;
-  const unsigned per_sm = 2048 / shape.threads;
-  launch.grid = std::min(GridFor(elements / lanes + 1, shape.threads, device),
-                         static_cast<unsigned>(std::max(device.sm_count, 1)) * per_sm);
-  int64_t threads = int64_t{launch.grid} * shape.threads;
+  launch.grid = std::min(GridFor(elements / lanes + 1, 256, device),
+                         static_cast<unsigned>(std::max(device.sm_count, 1) * 8));
+  int64_t threads = int64_t{launch.grid} * 256;
   if (launch.fixed_channels) threads -= threads % (spec.c / lanes);
   launch.single = threads >= elements / lanes;
   return launch;
 }
 
-// The pointwise kernel's variants, autotuned: first the block table of 16-byte vectors in
-// blocks of 256 (the heuristic's choice); for single vectors of fixed channels with
-// per-channel parameters, each thread reading its own terms (kVectorTerms); and for small
-// 16-bit tensors, where the kernel's time is a few memory latencies, the shapes XLA's loop
-// fusions take at batch 1 (8-byte vectors, blocks of 128: twice the threads, each with half
-// the work) and their mixes, each with a table and with terms of its own.
+// The pointwise kernel's variants, autotuned: first the block table of 16-byte vectors (the
+// heuristic's choice); for single vectors of fixed channels with per-channel parameters, each
+// thread reading its own terms (kVectorTerms); and for small 16-bit tensors, where the
+// kernel's time is a few memory latencies, both with 8-byte vectors (twice the threads, each
+// with half the work, as XLA's loop fusions at batch 1). On an H100 at batch 1 (session 9,
+// scripts/variant_sweep.py) these won every NA layer of the benchmark (2.9 / 3.0 / 1.7 us
+// against 3.2 / 3.3 / 2.3 us for the first); blocks of 128 threads gained nothing.
 std::vector<PointwiseShape> PointwiseShapes(const PlanSpec& spec, const DeviceInfo& device) {
-  std::vector<PointwiseShape> shapes{{16, 256, false}};
+  std::vector<PointwiseShape> shapes{{16, false}};
   const bool per_channel = spec.has(PointwiseOp::kBias) || spec.bn == BnMode::kSpatial;
-  auto offer = [&](int vec_bytes, unsigned threads) {
-    const PointwiseShape table{vec_bytes, threads, false};
+  auto offer = [&](int vec_bytes) {
+    const PointwiseShape table{vec_bytes, false};
     const PointwiseLaunch launch = PointwiseLaunchFor(spec, device, table);
     if (!launch.single) return;
-    if (vec_bytes != 16 || threads != 256) shapes.push_back(table);
+    if (vec_bytes != 16) shapes.push_back(table);
     // Terms of its own: 4 channels or more a thread (whole 16-byte parameter loads).
     if (launch.fixed_channels && per_channel &&
         vec_bytes / static_cast<int>(dtype_size(spec.dtype)) % 4 == 0) {
-      shapes.push_back({vec_bytes, threads, true});
+      shapes.push_back({vec_bytes, true});
     }
   };
-  offer(16, 256);
-  if (dtype_size(spec.dtype) == 2) {
-    offer(16, 128);
-    offer(8, 128);
-    offer(8, 256);
-  }
+  offer(16);
+  if (dtype_size(spec.dtype) == 2) offer(8);
   return shapes;
 }
 
@@ -1165,9 +1160,7 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
             ? static_cast<unsigned>(kTableFloatsPerChannel * spec.c * sizeof(float))
             : 0;
     out.solver = "pointwise";
-    if (shape.vec_bytes != 16 || shape.threads != 256) {
-      out.tile = std::to_string(shape.vec_bytes) + "B x" + std::to_string(shape.threads);
-    }
+    if (shape.vec_bytes != 16) out.tile = std::to_string(shape.vec_bytes) + "B";
     if (shape.vector_terms) out.tile += out.tile.empty() ? "vector terms" : " vector terms";
     out.source = TranslationUnit(
         spec,
@@ -1175,10 +1168,8 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
             ";\nconstexpr bool kVectorTerms = " + (shape.vector_terms ? "true" : "false") +
             ";\nconstexpr int kVecBytes = " + std::to_string(shape.vec_bytes) + ";\n",
         {"pointwise.cuh"});
-    out.entries.push_back({"jaxfuse_pointwise", launch.grid, shape.threads, table_bytes,
-                           shape.vec_bytes});
-    out.entries.push_back(
-        {"jaxfuse_pointwise_scalar", launch.grid, shape.threads, table_bytes, 1});
+    out.entries.push_back({"jaxfuse_pointwise", launch.grid, 256, table_bytes, shape.vec_bytes});
+    out.entries.push_back({"jaxfuse_pointwise_scalar", launch.grid, 256, table_bytes, 1});
     return out;
   }
   const EntryPoint direct{"jaxfuse_conv_direct", GridFor(elements, 256, device), 256, 0, 1};

@@ -76,6 +76,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         for part in ("input_layout", "filters"):  # operands transposed on each call
             if part in info:
                 row[f"{mode}_solver"] += f" {info[part].split()[0]}"
+        if info.get("solver") == "xla":  # (its info still names the kernel it measured)
+            row[f"{mode}_solver"] = "xla"
         row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args[:1])[0], reference)
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
