@@ -285,6 +285,27 @@ def test_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
         assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_depthwise", outs[0]["tile"]
 
 
+# The pointwise kernel's variants (tensors without a convolution): at batch 1 one vector a
+# thread, in 16-byte vectors and, for 16-bit data, 8-byte ones, each with a block table of
+# channel terms and (channels in whole vectors, per-channel parameters) terms of its own; at
+# batch 64 the streaming kernel alone.
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 64])
+def test_pointwise_variants_compile(dtype: str, n: int) -> None:
+    case = Case(ops="BNA", dtype=dtype, layout="NHWC", n=n, c=256, h=56, w=56)
+    outs = _compile_every_variant(case, "sm_90")
+    tiles = [out["tile"] for out in outs]
+    if n == 64:
+        assert tiles == [""]
+    elif dtype == "float32":
+        assert tiles == ["", "vector terms"]
+    else:
+        assert tiles == ["", "vector terms", "8B", "8B vector terms"]
+        assert [out["entries"][0]["alignment"] for out in outs] == [16, 16, 8, 8]
+    no_terms = Case(ops="A", dtype=dtype, layout="NHWC", n=1, c=256, h=56, w=56)
+    assert "vector terms" not in {out["tile"] for out in _compile_every_variant(no_terms, "sm_90")}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", WALKING_DEPTHWISE_CASES, ids=str)
 def test_walking_depthwise_variants_compile(case: Case, arch: str) -> None:
