@@ -142,7 +142,8 @@ if has latency; then
     for flags in "${flag_sets[@]}"; do
       left=$(( deadline - $(date +%s) ))
       (( left > 20 )) || { echo "skipped $run [$flags]: out of time"; continue; }
-      XLA_FLAGS="$flags" timeout "$left" $py scripts/latency_probe.py --model "$model" \
+      # (SIGABRT at the cap: Python's fault handler prints every thread's stack.)
+      XLA_FLAGS="$flags" PYTHONFAULTHANDLER=1 timeout -s ABRT "$left" $py scripts/latency_probe.py --model "$model" \
         --dtype "$dtype" --batch "$batch" >> "$OUT/latency.log" 2>> "$OUT/latency_detail.log"
       echo "$run [$flags] exit $?"
     done

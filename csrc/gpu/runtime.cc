@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -558,18 +559,32 @@ double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry
   // The timed launches are queued behind a closed gate and run back to back once it opens:
   // a kernel of a few microseconds otherwise ends before the host has queued the next one,
   // and its events time the host's launch work (every pointwise variant at batch 1 then
-  // timed alike, and the choice among them was noise).
+  // timed alike, and the choice among them was noise). A watchdog opens the gate if queuing
+  // stalls: another thread's synchronizing driver call (a free, a module load) can wait for
+  // this stream while holding what this thread's next launch needs.
   volatile uint32_t* gate = nullptr;
+  std::promise<void> queued;
+  std::thread watchdog;
   auto open_gate = [&] {
-    if (gate != nullptr) __atomic_store_n(gate, 1u, __ATOMIC_RELEASE);
+    if (gate == nullptr) return;
+    __atomic_store_n(gate, 1u, __ATOMIC_RELEASE);
+    if (watchdog.joinable()) {
+      queued.set_value();
+      watchdog.join();
+    }
   };
   try {
     for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
     Launch(function, entry, stream, params);  // warm-up
-    if (StreamGatesWork(ordinal)) {
+    if (repeats > 1 && StreamGatesWork(ordinal)) {
       void* gate_device = nullptr;
       gate = static_cast<volatile uint32_t*>(AllocateMappedHost(ordinal, &gate_device));
       WaitValue(ordinal, stream, gate_device, 1);
+      watchdog = std::thread([gate, done = queued.get_future()] {
+        if (done.wait_for(std::chrono::milliseconds(20)) == std::future_status::timeout) {
+          __atomic_store_n(gate, 1u, __ATOMIC_RELEASE);
+        }
+      });
     }
     for (int i = 0; i < repeats; ++i) {
       if (flush != nullptr) {
