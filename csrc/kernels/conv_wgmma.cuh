@@ -328,17 +328,13 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
     return;
   }
   wgmma::cluster_sync();  // every slice's partial tile is written and visible cluster-wide
-  // This CTA's kRows rows, summed over the cluster's partial tiles, go back to its own tile (no
-  // other CTA reads this slice); the arrive then releases those remote reads before any
-  // global store is issued (a release also waits for earlier stores), the slice is stored
-  // from the tile, and the last wait keeps this CTA's shared memory until every CTA has read
-  // it.
   constexpr int kRows = kBM / kSplits;
   for (int chunk = tid; chunk < kRows * (kBN / 8); chunk += kThreads) {
     const int row = split * kRows + chunk / (kBN / 8), col8 = chunk % (kBN / 8);
-    if (m0 + row >= M || n0 + col8 * 8 >= KG) continue;
-    float* sum = tile + row * kCPitch + col8 * 8;
-    const u32 local = mma::smem_addr(sum);
+    const i64 m = m0 + row;
+    const int k = n0 + col8 * 8;
+    if (m >= M || k >= KG) continue;
+    const u32 local = mma::smem_addr(tile + row * kCPitch + col8 * 8);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
     for (int rank = 0; rank < kSplits; ++rank) {
@@ -347,17 +343,18 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse:
       v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w;
       v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
     }
-    *reinterpret_cast<float4*>(sum) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(sum + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    if (kOutNHWC) {
+      store_chunk(ep, v, terms + col8 * 8, m, k, group, y);
+    } else {  // NCHW output: the sum goes back to this CTA's tile (no other CTA reads its slice)
+      float* sum = tile + row * kCPitch + col8 * 8;
+      *reinterpret_cast<float4*>(sum) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(sum + 4) = make_float4(v[4], v[5], v[6], v[7]);
+    }
   }
-  wgmma::cluster_arrive();
-  __syncthreads();  // the slice's sums, written by other threads than those storing them
-  float* slice = tile + split * kRows * kCPitch;
-  if (kOutNHWC) {
-    store_tile<kRows, kBN, kCPitch, kThreads>(ep, slice, terms, m0 + split * kRows, n0, group, y);
-  } else {
-    store_tile_planes<kRows, kBN, kCPitch, kThreads, kFlip>(ep, slice, terms, m0 + split * kRows,
-                                                            n0, group, y);
+  if (!kOutNHWC) {
+    __syncthreads();
+    store_tile_planes<kRows, kBN, kCPitch, kThreads, kFlip>(
+        ep, tile + split * kRows * kCPitch, terms, m0 + split * kRows, n0, group, y);
   }
-  wgmma::cluster_wait();
+  wgmma::cluster_sync_relaxed();  // no CTA leaves while another still reads its shared memory
 }
