@@ -190,12 +190,17 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  # Batch 1, a long reduction: split-K with a ring that holds a CTA's whole
                  # share in flight (variant 3: 11 stages), a side input.
                  Case(ops="CBNSA", c=512, k=128, n=1, h=7, w=7, dtype="bfloat16", **NHWC),
-                 # Pointwise plans small enough for one vector a thread: variant 1 reads each
-                 # thread's channel terms itself (16-byte loads), variant 0 a block table.
+                 # Pointwise plans small enough for one vector a thread: variant 0 a block
+                 # table of channel terms, 1 each thread's own (16-byte loads); 2 and 3 the
+                 # same with 8-byte vectors (16-bit dtypes).
                  Case(ops="BNA", c=64, n=1, h=12, w=12, dtype="bfloat16", layout="NHWC"),
                  Case(ops="NSA", c=256, n=1, h=14, w=14, dtype="float16", layout="NHWC"),
                  Case(ops="BNA", c=32, n=2, h=9, w=9, activation="elu", dtype="float32",
-                      layout="NHWC")]:
+                      layout="NHWC"),
+                 # ... and NCHW (variant 1: 8-byte vectors), which keep one channel a vector
+                 # for planes of 4k values (10x6) and not for others (5x7).
+                 Case(ops="BNA", c=24, n=1, h=10, w=6, dtype="float16", layout="NCHW"),
+                 Case(ops="NSA", c=16, n=1, h=5, w=7, dtype="bfloat16", layout="NCHW")]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)
