@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str,
     seen, cases = set(), []
     for suite in suites:
         for layer in SUITES[suite]:
-            if (kind == "depthwise" and layer.groups <= 1) or (only and only not in layer.name):
+            if (kind == "depthwise" and layer.groups <= 1) or not re.search(only, layer.name):
                 continue
             for n in batches:
                 for dtype in dtypes:
@@ -81,7 +82,8 @@ def main() -> int:
     parser.add_argument("--suite", nargs="+", default=["mobilenet", "mobilenetv2"])
     parser.add_argument("--batch", nargs="+", type=int, default=[64])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
-    parser.add_argument("--only", default="", help="layers whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="a regular expression on layer names (e.g. 'dw_7|dw_14')")
     parser.add_argument("--kind", default="depthwise", choices=["depthwise", "all"],
                         help="the suites' depthwise layers, or all of them")
     parser.add_argument("--sets", type=int, default=8)
