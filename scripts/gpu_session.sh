@@ -31,6 +31,7 @@
 # .prebuilt/jaxfuse-cache.tgz it starts the next call warm. Its keys hold the kernel sources'
 # hash and the device, so entries of edited kernels are simply not found.
 set -uo pipefail
+ulimit -c 0  # (a probe cut by SIGABRT at its cap leaves no core file of a GPU process)
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -143,7 +144,7 @@ if has latency; then
       left=$(( deadline - $(date +%s) ))
       (( left > 20 )) || { echo "skipped $run [$flags]: out of time"; continue; }
       # (SIGABRT at the cap: Python's fault handler prints every thread's stack.)
-      XLA_FLAGS="$flags" PYTHONFAULTHANDLER=1 timeout -s ABRT "$left" $py scripts/latency_probe.py --model "$model" \
+      XLA_FLAGS="$flags" PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$left" $py scripts/latency_probe.py --model "$model" \
         --dtype "$dtype" --batch "$batch" >> "$OUT/latency.log" 2>> "$OUT/latency_detail.log"
       echo "$run [$flags] exit $?"
     done
@@ -209,7 +210,7 @@ if has xla; then
   for run in ${XLA_RUNS:-NA_C256_H56:bfloat16:1}; do
     IFS=: read -r layer dtype batch <<< "$run"
     timeout 120 $py scripts/xla_kernels.py "$layer" --dtype "$dtype" --batch "$batch" \
-      --out "$OUT/xla_${layer}_${dtype}_${batch}" 2>&1 | grep -v "^W[0-9]" | tail -20
+      --out "$OUT/xla_${layer}_${dtype}_${batch}" 2>&1 | grep -v "^W[0-9]" | head -40
   done
 fi
 if has cache; then

@@ -141,9 +141,10 @@ def main() -> int:
             if "error" in r:
                 print(f"{label:<44} {r['variant']:>7} ERROR {r['error']}")
                 continue
-            if r["variant"] != "tuned" and r["tile"] in seen:
-                continue  # a clamped index repeats the last variant
-            seen.add(r["tile"])
+            if r["variant"] != "tuned":
+                if (r["solver"], r["tile"]) in seen:
+                    continue  # a clamped index repeats the last variant
+                seen.add((r["solver"], r["tile"]))
             nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
             gbs = nbytes / (r["us"] * 1e-6) / 1e9
             r.update(gbs=gbs, copy_fraction=gbs * 1e9 / copy)

@@ -200,7 +200,12 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  # ... and NCHW (variant 1: 8-byte vectors), which keep one channel a vector
                  # for planes of 4k values (10x6) and not for others (5x7).
                  Case(ops="BNA", c=24, n=1, h=10, w=6, dtype="float16", layout="NCHW"),
-                 Case(ops="NSA", c=16, n=1, h=5, w=7, dtype="bfloat16", layout="NCHW")]:
+                 Case(ops="NSA", c=16, n=1, h=5, w=7, dtype="bfloat16", layout="NCHW"),
+                 # Elements past the last whole vector, and NHWC channels in whole 8-byte
+                 # vectors but not 16-byte ones (12) or in neither (6).
+                 Case(ops="BNA", c=6, n=1, h=5, w=5, dtype="float16", layout="NHWC"),
+                 Case(ops="BNSA", c=12, n=1, h=7, w=5, dtype="float16", layout="NHWC"),
+                 Case(ops="NA", c=3, n=1, h=5, w=7, dtype="bfloat16", layout="NCHW")]:
         run_case(case, jax.devices("gpu")[0])
     print("ok")
 """)

@@ -304,6 +304,10 @@ def test_pointwise_variants_compile(dtype: str, n: int) -> None:
         assert [out["entries"][0]["alignment"] for out in outs] == [16, 16, 8, 8]
     no_terms = Case(ops="A", dtype=dtype, layout="NHWC", n=1, c=256, h=56, w=56)
     assert "vector terms" not in {out["tile"] for out in _compile_every_variant(no_terms, "sm_90")}
+    if dtype != "float32":  # 12 channels: whole 8-byte vectors (own terms), not 16-byte ones
+        twelve = Case(ops="BNA", dtype=dtype, layout="NHWC", n=1, c=12, h=7, w=5)
+        assert [out["tile"] for out in _compile_every_variant(twelve, "sm_90")] == [
+            "", "8B", "8B vector terms"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

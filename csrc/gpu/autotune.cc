@@ -155,6 +155,7 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
 
   std::vector<float> reference, output(spec.output_elements());
   std::vector<unsigned char> raw(out_bytes);
+
   std::unique_lock<std::timed_mutex> timing(DeviceTimingMutex(), std::defer_lock);
   (void)timing.try_lock_for(std::chrono::seconds(10));  // else time anyway (noisier)
   for (size_t i = 0; i < variants.size(); ++i) {
@@ -163,8 +164,12 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
       const std::vector<void*> functions =
           driver.Load(ordinal, binaries[i], variants[i].entries);
       const EntryPoint& entry = variants[i].entries[0];  // the fast path (aligned buffers)
-      // Enough launches for a stable median, whatever the kernel's length.
-      const double once = driver.TimeLaunches(ordinal, functions[0], entry, p, 1);
+      // Enough launches for a stable median, whatever the kernel's length. The first run
+      // poisons the output (NaN in every float type) before it launches, so a variant that
+      // leaves elements unwritten disagrees with the reference below instead of passing on
+      // the previous variant's values.
+      const double once =
+          driver.TimeLaunches(ordinal, functions[0], entry, p, 1, nullptr, 0, out_bytes);
       const int repeats = static_cast<int>(std::clamp(5.0 / std::max(once, 1e-3), 3.0, 20.0));
       const double ms =
           driver.TimeLaunches(ordinal, functions[0], entry, p, repeats, flush, flush_bytes);

@@ -550,7 +550,7 @@ void Driver::DestroyStream(int ordinal, void* stream) const {
 
 double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
                             const FusedParams& params, int repeats, void* flush,
-                            size_t flush_bytes) const {
+                            size_t flush_bytes, size_t poison_bytes) const {
   ContextScope scope(*this, ordinal);
   Handle stream = nullptr;
   Check(api_->stream_create(&stream, 1), "creating a stream");  // 1: non-blocking
@@ -575,6 +575,9 @@ double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry
   };
   try {
     for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
+    if (poison_bytes > 0) {
+      Check(api_->memset_d8_async(params.y, 0xff, poison_bytes, stream), "poisoning the output");
+    }
     Launch(function, entry, stream, params);  // warm-up
     if (repeats > 1 && StreamGatesWork(ordinal)) {
       void* gate_device = nullptr;

@@ -80,10 +80,11 @@ class Driver {
   void CopyToHost(int ordinal, void* dst, const void* src, size_t bytes) const;
   // Median milliseconds of `repeats` launches (after one warm-up) on a private stream. With
   // `flush` (`flush_bytes` of device memory, larger than L2), the stream overwrites it before
-  // each timed launch, so every launch finds its buffers in DRAM, not in L2.
+  // each timed launch, so every launch finds its buffers in DRAM, not in L2. With
+  // `poison_bytes`, the output's first `poison_bytes` are set to 0xff before the warm-up.
   double TimeLaunches(int ordinal, void* function, const EntryPoint& entry,
                       const FusedParams& params, int repeats, void* flush = nullptr,
-                      size_t flush_bytes = 0) const;
+                      size_t flush_bytes = 0, size_t poison_bytes = 0) const;
   // The device's L2 cache in bytes (0 where it cannot be read: ROCm's attribute numbering).
   size_t L2Bytes(int ordinal) const;
 

@@ -122,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
     for (i64 v0 = global_thread_index(); v0 < kVectors; v0 += kUnroll * stride) {
       Vec in[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll * 16 bytes in flight
+      for (int u = 0; u < kUnroll; ++u) {  // all loads first: kUnroll vectors in flight
         if (v0 + u * stride < kVectors) in[u] = x[v0 + u * stride];
       }
 #pragma unroll
