@@ -155,7 +155,6 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
 
   std::vector<float> reference, output(spec.output_elements());
   std::vector<unsigned char> raw(out_bytes);
-
   std::unique_lock<std::timed_mutex> timing(DeviceTimingMutex(), std::defer_lock);
   (void)timing.try_lock_for(std::chrono::seconds(10));  // else time anyway (noisier)
   for (size_t i = 0; i < variants.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -573,49 +574,48 @@ double Driver::TimeLaunches(int ordinal, void* function, const EntryPoint& entry
       watchdog.join();
     }
   };
-  try {
-    for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
-    if (poison_bytes > 0) {
-      Check(api_->memset_d8_async(params.y, 0xff, poison_bytes, stream), "poisoning the output");
-    }
-    Launch(function, entry, stream, params);  // warm-up
-    if (repeats > 1 && StreamGatesWork(ordinal)) {
-      void* gate_device = nullptr;
-      gate = static_cast<volatile uint32_t*>(AllocateMappedHost(ordinal, &gate_device));
-      WaitValue(ordinal, stream, gate_device, 1);
-      watchdog = std::thread([gate, done = queued.get_future()] {
-        if (done.wait_for(std::chrono::milliseconds(20)) == std::future_status::timeout) {
-          __atomic_store_n(gate, 1u, __ATOMIC_RELEASE);
-        }
-      });
-    }
-    for (int i = 0; i < repeats; ++i) {
-      if (flush != nullptr) {
-        Check(api_->memset_d8_async(flush, static_cast<unsigned char>(i), flush_bytes, stream),
-              "flushing L2");
-      }
-      Check(api_->event_record(events[2 * i], stream), "recording an event");
-      Launch(function, entry, stream, params);
-      Check(api_->event_record(events[2 * i + 1], stream), "recording an event");
-    }
+  // One release on every way out, a throw included: the stream never left held.
+  struct Release {
+    std::function<void()> run;
+    ~Release() { run(); }
+  } release{[&] {
     open_gate();
-    Check(api_->stream_synchronize(stream), "waiting for the timed launches");
-    for (int i = 0; i < repeats; ++i) {
-      float ms = 0;
-      Check(api_->event_elapsed(&ms, events[2 * i], events[2 * i + 1]), "reading an event");
-      times.push_back(ms);
-    }
-  } catch (...) {
-    open_gate();  // never leave the stream held
     api_->stream_synchronize(stream);
     for (Handle e : events) if (e) api_->event_destroy(e);
     api_->stream_destroy(stream);
     FreeMappedHost(ordinal, const_cast<uint32_t*>(gate));
-    throw;
+  }};
+  for (Handle& e : events) Check(api_->event_create(&e, 0), "creating an event");
+  if (poison_bytes > 0) {
+    Check(api_->memset_d8_async(params.y, 0xff, poison_bytes, stream), "poisoning the output");
   }
-  for (Handle e : events) api_->event_destroy(e);
-  api_->stream_destroy(stream);
-  FreeMappedHost(ordinal, const_cast<uint32_t*>(gate));
+  Launch(function, entry, stream, params);  // warm-up
+  if (repeats > 1 && StreamGatesWork(ordinal)) {
+    void* gate_device = nullptr;
+    gate = static_cast<volatile uint32_t*>(AllocateMappedHost(ordinal, &gate_device));
+    WaitValue(ordinal, stream, gate_device, 1);
+    watchdog = std::thread([gate, done = queued.get_future()] {
+      if (done.wait_for(std::chrono::milliseconds(20)) == std::future_status::timeout) {
+        __atomic_store_n(gate, 1u, __ATOMIC_RELEASE);
+      }
+    });
+  }
+  for (int i = 0; i < repeats; ++i) {
+    if (flush != nullptr) {
+      Check(api_->memset_d8_async(flush, static_cast<unsigned char>(i), flush_bytes, stream),
+            "flushing L2");
+    }
+    Check(api_->event_record(events[2 * i], stream), "recording an event");
+    Launch(function, entry, stream, params);
+    Check(api_->event_record(events[2 * i + 1], stream), "recording an event");
+  }
+  open_gate();
+  Check(api_->stream_synchronize(stream), "waiting for the timed launches");
+  for (int i = 0; i < repeats; ++i) {
+    float ms = 0;
+    Check(api_->event_elapsed(&ms, events[2 * i], events[2 * i + 1]), "reading an event");
+    times.push_back(ms);
+  }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
 }
