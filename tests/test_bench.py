@@ -24,7 +24,8 @@ def test_programs_are_timed_in_turns() -> None:
     times = wall_times_interleaved({"a": program("a"), "b": program("b")}, [(1.0,), (2.0,)],
                                    repeats=3, warmup=1)
     assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
-    assert calls == ["a", "b"] * 4  # warm-up round, then three timed rounds
+    # A warm-up round, then three timed rounds, each starting with the next program.
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
 
 
 def test_chained_ops_wait_for_each_other_and_compute_the_same() -> None:

@@ -32,6 +32,10 @@ CONV_CASES = [
     Case(c=24, k=32, h=6, w=17, dtype="float16", **NHWC),
     Case(c=8, k=32, n=2, h=3, w=5, dtype="float16", ops="CBNSA", **NHWC),
     Case(c=64, k=96, h=5, w=15, dtype="bfloat16", ops="CNA", **NHWC),
+    # 16-bit conv epilogues from float32 tiles through pass16 (NCHW: a row per channel).
+    Case(c=8, k=40, n=1, h=5, w=7, dtype="bfloat16", ops="CBNSA", activation="clipped_relu",
+         **NHWC),
+    Case(c=8, k=12, n=2, h=5, w=7, dtype="float16", ops="CNA", activation="hardswish"),
     # Rows split into tiles of unequal widths (29 = 10 + 10 + 9 on AVX-512, 5 x 6 on AVX2).
     Case(c=16, k=64, h=4, w=29, **NHWC),
     Case(c=16, k=64, h=4, w=29, ops="CBNSA", dtype="float16"),
@@ -68,6 +72,15 @@ POINTWISE_CASES = [
     # float16 rows back to back in the output, converted several at a time.
     Case(ops="NSA", c=5, n=2, h=6, w=7, dtype="float16"),
     Case(ops="BA", c=16, n=3, h=3, w=4, layout="NHWC", dtype="float16", activation="leaky_relu"),
+    # float16 / bfloat16 converted in vector registers (pass16): NHWC pixels of whole vectors
+    # and a partial one (40 = 16 + 16 + 8 on AVX-512, 5 x 8 on AVX2), NCHW planes with a
+    # partial vector (63 values), side inputs, every fast activation.
+    Case(ops="NSA", c=40, n=2, h=3, w=5, layout="NHWC", dtype="float16", activation="hardswish"),
+    Case(ops="BNA", c=48, n=1, h=4, w=4, layout="NHWC", dtype="bfloat16",
+         activation="hardsigmoid"),
+    Case(ops="NA", c=6, n=2, h=7, w=9, dtype="bfloat16", activation="leaky_relu"),
+    Case(ops="NSA", c=5, n=1, h=5, w=7, dtype="float16", activation="passthru"),
+    Case(ops="BSA", c=24, n=1, h=7, w=9, layout="NHWC", dtype="bfloat16", activation="relu"),
     # Staged through L1: chains the single pass does not take, some wider than a block.
     Case(ops="NA", c=5000, n=2, h=1, w=2, layout="NHWC", activation="tanh"),
     Case(ops="AB", c=3, n=1, h=70, w=70, activation="elu"),

@@ -91,6 +91,26 @@ def test_nan_and_inf_inputs_pass_the_activation(mode: str, ops: str, layout: str
         _run(case, device, seed=k, edit=edit)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("ops", ["BA", "NSA", "CBNA"])
+@pytest.mark.parametrize("mode", ["relu", "clipped_relu", "leaky_relu", "hardswish",
+                                  "hardsigmoid"])
+def test_nan_and_inf_inputs_in_16_bit_vectors(mode: str, ops: str, dtype: str, layout: str,
+                                              device) -> None:
+    # 40 channels: whole 16-bit vectors and a partial one per NHWC pixel (the CPU's
+    # pass16 converts in registers); NCHW planes of 35 values, also a partial vector.
+    def edit(x, args, handles, operands, rng):
+        _poke(x, rng, [np.nan, np.inf, -np.inf], count=7)
+        args.set_activation_forward(handles["A"], alpha=np.inf if mode == "clipped_relu"
+                                    else -0.4)
+        _set_scalar(operands, "act_alpha", np.inf if mode == "clipped_relu" else -0.4)
+
+    case = Case(ops=ops, layout=layout, filter_layout="HWIO" if layout == "NHWC" else "OIHW",
+                dtype=dtype, activation=mode, k=40, c=40, n=1, h=5, w=7)
+    _run(case, device, seed=len(ops), edit=edit)
+
+
 # ----- batch norm with zero variance ------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", LAYOUTS)

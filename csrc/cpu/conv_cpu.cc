@@ -25,6 +25,7 @@
 #include "cpu/convert.h"
 #include "cpu/multiversion.h"
 #include "cpu/thread_pool.h"
+#include "cpu/vec.h"
 #include "kernels/epilogue.h"
 
 namespace jaxfuse::cpu {
@@ -241,10 +242,6 @@ FilterView PrepareFilter(const PlanSpec& spec, const Conv& cv, const void* w, in
 // ---------------------------------------------------------------------------------------------
 // Register tiles.
 
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef float Vec8 __attribute__((vector_size(32)));
-typedef float Vec4 __attribute__((vector_size(16)));
-
 // A vector width and the most pixels per tile that fit the register file with two vectors of
 // channels per pixel (accumulators + filter vectors + one broadcast).
 template <class V, int MaxPix>
@@ -269,13 +266,6 @@ struct TileArgs {
   const int64_t* tap_w;
   int64_t taps, inner;   // taps, and reduction length per tap (contiguous in input and weights)
 };
-
-template <class V>
-JF_ALWAYS_INLINE V LoadVec(const float* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
 
 // acc[M0 + M1][NV] = sum over taps and the inner reduction of input * weights, stored to out
 // as [pixel][NV * lanes]. Pixels 7.. of the first segment get their own base pointer so the
@@ -444,36 +434,6 @@ class NchwRows {
   int64_t row_ = 0, x0_ = 0, ch0_ = 0, nch_ = 0;
   int m_ = 0;
 };
-
-template <class V>
-using MaskOf = decltype(V{} > V{});
-
-// The single-pass activations on vectors, branch-free (as activate() in kernels/epilogue.h,
-// NaN inputs passing through; a NaN alpha takes the scalar store, see RunConvolution).
-template <int Mode, class V>
-JF_ALWAYS_INLINE V ActivateVec(V x, V alpha) {
-  using M = MaskOf<V>;
-  const V zero = V{};
-  if constexpr (Mode == kRelu || Mode == kClippedRelu) {
-    const V r = (V)((M)x & ~(x < zero));  // x < 0 ? 0 : x
-    if constexpr (Mode == kRelu) return r;
-    const M clip = r > alpha;  // false for NaN
-    return (V)(((M)alpha & clip) | ((M)r & ~clip));
-  } else if constexpr (Mode == kLeakyRelu) {
-    const M positive = x > zero;
-    return (V)(((M)x & positive) | ((M)(alpha * x) & ~positive));
-  } else if constexpr (Mode == kHardswish || Mode == kHardsigmoid) {
-    const V six = zero + 6.0f;
-    V r = x + 3.0f;
-    r = (V)((M)r & ~(r < zero));  // r < 0 ? 0 : r
-    const M clip = r > six;       // false for NaN
-    r = (V)(((M)six & clip) | ((M)r & ~clip)) / six;
-    if constexpr (Mode == kHardswish) return x * r;
-    return r;
-  } else {
-    return x;
-  }
-}
 
 template <class V, int NV, int Mode, bool kSide>
 JF_ALWAYS_INLINE void SinglePassPixels(const float* tile, int m, float* y, const float* z,

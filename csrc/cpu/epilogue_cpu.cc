@@ -4,6 +4,7 @@
 
 #include "cpu/convert.h"
 #include "cpu/multiversion.h"
+#include "cpu/pass16.h"
 #include "kernels/epilogue.h"
 
 namespace jaxfuse::cpu {
@@ -108,17 +109,6 @@ JF_MULTIVERSION void ApplyStages(const Block& b, const EpilogueStage* stages, in
   }
 }
 
-// The single-pass form: v = x * scale + shift (per channel), then optionally + alpha * side,
-// then the activation, then the store, all in one loop along each row. Values come from the
-// block (a conv tile) or, for a plan without convolution, straight from the input tensor.
-struct FastArgs {
-  const float* scale;
-  const float* shift;
-  const void* input;
-  const void* side;
-  void* y;
-  float side_alpha, alpha, beta, gamma;
-};
 
 template <DType D>
 JF_ALWAYS_INLINE float LoadElement(const void* base, int64_t i) {
@@ -273,6 +263,7 @@ bool IsFastActivation(int mode) {
 
 JF_MULTIVERSION void FastApply(const Block& b, const FastArgs& f, DType dtype, bool from_input,
                                bool side, int act) {
+  if (dtype != DType::kF32 && Pass16(b, f, dtype, from_input, side, act)) return;
   switch (dtype) {
     case DType::kF32:
       return from_input ? FastDispatch<DType::kF32, true>(b, f, side, act)

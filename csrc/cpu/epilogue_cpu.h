@@ -42,6 +42,18 @@ struct SinglePass {
   float side_alpha, alpha, beta, gamma;
 };
 
+// The single-pass form's operands: v = x * scale + shift (per channel), then optionally
+// + side_alpha * side, then the activation, then the store, in one loop along each row. Values
+// come from the block (a conv tile) or, for a plan without convolution, straight from `input`.
+struct FastArgs {
+  const float* scale;
+  const float* shift;
+  const void* input;
+  const void* side;
+  void* y;
+  float side_alpha, alpha, beta, gamma;
+};
+
 class Epilogue {
  public:
   // Folds the convolution's alpha, bias and spatial batch norm into one scale and shift per

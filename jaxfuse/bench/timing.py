@@ -61,15 +61,20 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
     """Median wall seconds per op of each of `programs` on `arg_sets`, timed in turns (one call
     of each per round). On a 2-core VM (2026-11-25) timing XLA's batch-8 NA program in a block
     of its own gave 3.8-7.4 ms per op from one run of the benchmark to the next while the fused
-    kernel's block gave 3.0 ms: the blocks saw different machines."""
+    kernel's block gave 3.0 ms: the blocks saw different machines. The order rotates from round
+    to round: with a fixed one (2026-11-26, same VM) the third program, the same kernel as the
+    second, timed 1.6-1.7x slower at batch 8, each round (it ran on the memory the second had
+    just freed, in pages the system had taken back)."""
     for _ in range(warmup):
         for many in programs.values():
             jax.block_until_ready(many(arg_sets))
     times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(repeats):
-        for name, many in programs.items():
+    names = list(programs)
+    for round_ in range(repeats):
+        for i in range(len(names)):
+            name = names[(round_ + i) % len(names)]
             start = time.perf_counter()
-            jax.block_until_ready(many(arg_sets))
+            jax.block_until_ready(programs[name](arg_sets))
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) / len(arg_sets) for name, t in times.items()}
 
