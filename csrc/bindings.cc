@@ -74,6 +74,18 @@ NB_MODULE(_jaxfuse_ext, m) {
     return handlers;
   }, "FFI handlers by platform name (a capsule, or a dict of capsules by FFI stage).");
 
+  // The record stage's own registration (ffi/record_registration.cc), where these FFI
+  // headers have the stage.
+#ifdef JAXFUSE_FFI_RECORD
+  m.def("ffi_api_probe", [] { return Capsule(jaxfuse::kFfiApiProbeCuda); },
+        "The CUDA probe target's handler: it keeps the FFI API XLA calls it with.");
+  m.def("register_cuda_record", [](const std::string& name) -> std::string {
+    return jaxfuse::RegisterCudaRecordBundle(name.c_str());
+  }, nb::arg("name"),
+        "Registers the fused chain's CUDA bundle, record stage included, under `name` through "
+        "the API the probe received: \"\" on success, else why not.");
+#endif
+
   m.def("ffi_types", [] {
     auto registration = [](XLA_FFI_TypeId* id, const XLA_FFI_TypeInfo* info) {
       nb::dict out;
@@ -327,8 +339,11 @@ NB_MODULE(_jaxfuse_ext, m) {
     out["disk_hits"] = s.disk_hits;
     out["loads"] = s.loads;
     out["tunings"] = s.tunings;
+    out["records"] = s.records;
+    out["record_updates"] = s.record_updates;
     return out;
-  }, "Counts of kernel compilations, disk-cache hits and device loads in this process.");
+  }, "Counts of kernel compilations, disk-cache hits, device loads and command-buffer records "
+     "in this process.");
 
   m.def("wgmma_function", &jaxfuse::gpu::WgmmaFunction, nb::arg("n"), nb::arg("dtype"),
         nb::arg("b_mn_major"), "The generated wgmma wrapper for one tile width (for probes).");

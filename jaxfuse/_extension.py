@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import threading
 from types import ModuleType
 
 import jax
 
 from . import runtime
 
-__all__ = ["CONVERT_TARGET", "FFI_TARGET", "STOPWATCH_TARGET", "extension", "register_targets"]
+__all__ = ["CONVERT_TARGET", "FFI_TARGET", "RECORD_TARGET", "STOPWATCH_TARGET", "extension",
+           "record_target", "register_targets"]
 
 FFI_TARGET = "jaxfuse_fused_chain"
 CONVERT_TARGET = "jaxfuse_convert_many"  # many float conversions in one kernel (convert.py)
 STOPWATCH_TARGET = "jaxfuse_stopwatch"  # marks device time in timing programs (measure.py)
+# The fused chain on CUDA with XLA FFI's record stage (record_target); and the probe target
+# whose handler receives the CUDA plugin's FFI API, through which that one is registered.
+RECORD_TARGET = "jaxfuse_fused_chain_recorded"
+API_PROBE_TARGET = "jaxfuse_ffi_api_probe"
+
+logger = logging.getLogger("jaxfuse")
 
 
 @functools.cache
@@ -49,3 +59,37 @@ def register_targets() -> None:
     for platform in ("CUDA", "ROCM"):
         jax.ffi.register_ffi_target(STOPWATCH_TARGET, extension().stopwatch_handler(),
                                     platform=platform)
+    if hasattr(extension(), "ffi_api_probe"):
+        jax.ffi.register_ffi_target(API_PROBE_TARGET, extension().ffi_api_probe(),
+                                    platform="CUDA")
+
+
+_record_lock = threading.Lock()
+_record_state: dict[str, str | None] = {}
+
+
+def record_target() -> str | None:
+    """The name of the fused chain's CUDA registration with XLA FFI's record stage, or None
+    where there is none (the build's FFI headers lack the stage, the CUDA plugin's FFI API
+    differs, ``JAXFUSE_FFI_RECORD=0``): then :data:`FFI_TARGET`, whose CUDA bundle XLA captures
+    into command buffers from its execute stage, serves.
+
+    jaxlib 0.11.2's Python registration drops a handler dict's "record" stage, so this bundle is
+    registered through the plugin's own FFI API, which the probe target received when the CUDA
+    backend registered it (csrc/ffi/record_registration.cc). Called at lowering, once the
+    backend exists; a registration refused by XLA is not tried again."""
+    if os.environ.get("JAXFUSE_FFI_RECORD", "1") == "0":
+        return None
+    ext = extension()
+    if not hasattr(ext, "register_cuda_record"):
+        return None
+    with _record_lock:
+        if "name" not in _record_state:
+            why = ext.register_cuda_record(RECORD_TARGET)
+            if why.startswith("the CUDA plugin has not registered"):
+                return None  # no CUDA backend yet: ask again at the next lowering
+            if why:
+                logger.debug("jaxfuse: the fused chain's record stage is not registered: %s",
+                             why)
+            _record_state["name"] = None if why else RECORD_TARGET
+        return _record_state["name"]

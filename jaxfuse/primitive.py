@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from ._compat import ShapedArray
-from ._extension import FFI_TARGET
+from ._extension import FFI_TARGET, record_target
 from .signature import PlanSignature
 from .transforms import install_rules, typed_output_sharding, with_unfused_derivative
 
@@ -109,8 +109,18 @@ def _impl(*args: Any, signature: PlanSignature) -> Any:
 
 def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
-    rule = jax.ffi.ffi_lowering(FFI_TARGET)
+    rule = jax.ffi.ffi_lowering(_target(ctx))
     return rule(ctx, *args, plan=signature.encode())
+
+
+def _target(ctx: mlir.LoweringRuleContext) -> str:
+    """The custom-call target: on CUDA the registration with the record stage where there is
+    one, except for exported programs, which name the target every process registers at
+    ``import jaxfuse``."""
+    module = ctx.module_context
+    if tuple(module.platforms) != ("cuda",) or module.lowering_parameters.for_export:
+        return FFI_TARGET
+    return record_target() or FFI_TARGET
 
 
 install_rules(fused_chain_p, _bind, _lowering)

@@ -2,7 +2,9 @@
 // executable) parses and checks the plan; the initialize stage (before each execution, outside
 // any CUDA-graph capture) compiles and loads the plan's kernel for the device; the execute
 // stage checks the buffers and launches on XLA's stream, with nothing looked up by string and
-// nothing allocated.
+// nothing allocated. Where the FFI headers have the record stage (jax >= 0.11), CUDA also gets
+// one: XLA then adds the kernel to its command buffer as a node of its own and, when buffers
+// move between calls, updates that node's parameters instead of capturing the call again.
 #include <array>
 #include <atomic>
 #include <exception>
@@ -11,11 +13,15 @@
 #include <stdexcept>
 #include <vector>
 
+#include "common/debug.h"
 #include "ffi/handlers.h"
 #include "ffi/operands.h"
 #include "ffi/plan_state.h"
 #include "gpu/backend.h"
 #include "xla/ffi/api/ffi.h"
+#ifdef JAXFUSE_FFI_RECORD
+#include "xla/ffi/api/record_api.h"
+#endif
 
 namespace jaxfuse {
 namespace ffi = xla::ffi;
@@ -43,6 +49,9 @@ struct GpuPlanState : PlanState {
   }
 
   std::array<std::atomic<const gpu::LoadedKernel*>, 64> slots{};
+  // The entry point the record stage created its command with (-1: none yet): an update
+  // can change a node's parameters, not its kernel.
+  std::atomic<int> recorded_entry{-1};
   std::mutex mu;
   std::vector<std::shared_ptr<const gpu::LoadedKernel>> owned;  // keeps the slots' kernels
 };
@@ -85,6 +94,69 @@ ffi::Error Execute(void* stream, int32_t device_ordinal, GpuPlanState* state,
   }
 }
 
+#ifdef JAXFUSE_FFI_RECORD
+using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
+struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
+
+// The record stage: the kernel as a launch command of XLA's command buffer, created once and
+// updated with the call's buffers. Plans that launch nothing or more than the kernel (empty
+// outputs, JAXFUSE_POISON_OUTPUTS) are captured from the execute stage as before.
+template <gpu::Platform kPlatform>
+ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* state,
+                  ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
+  try {
+    const PlanSpec& spec = *state->spec;
+    if (spec.output_elements() == 0 || PoisonOutputs()) return record.RequestStreamCapture();
+    DecodedOperands decoded;
+    if (ffi::Error err = DecodeOperands(spec, state->operands, args, out, &decoded);
+        err.failure()) {
+      return err;
+    }
+    const gpu::LoadedKernel& kernel = state->Kernel(kPlatform, device_ordinal);
+    const FusedParams params = BindParams(spec, decoded);
+    const size_t entry_index = gpu::EntryFor(kernel, params);
+    const gpu::EntryPoint& entry = kernel.generated.entries[entry_index];
+    TmaParams tma;
+    size_t bytes = 0;
+    const void* block = gpu::Driver::Get(kPlatform).ParamBlock(entry, params, &tma, &bytes);
+    const std::array<ffi::KernelArg, 1> kernel_args{ffi::HostValue{block, bytes}};
+    if (record.action() == ffi::RecordAction::kCreate) {
+      const XLA_FFI_LaunchDims dims{{static_cast<int32_t>(entry.grid), 1, 1},
+                                    {static_cast<int32_t>(entry.block), 1, 1},
+                                    {0, 0, 0}};  // (cluster shapes are compiled in)
+      auto command = record.CreateLaunch(entry.name.c_str(), kernel.binary.data(),
+                                         kernel.binary.size(), ffi::SourceFormat::kCubin, dims,
+                                         entry.shared_bytes, /*uses_pdl=*/false, kernel_args);
+      if (command.has_error()) return command.error();
+      state->recorded_entry.store(static_cast<int>(entry_index));
+      gpu::CountRecord(false);
+      return ffi::Error::Success();
+    }
+    const auto commands = record.commands();
+    if (commands.size() != 1) {
+      return ffi::Error(ffi::ErrorCode::kInternal, "jaxfuse: expected one recorded launch");
+    }
+    if (state->recorded_entry.load() != static_cast<int>(entry_index)) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        "jaxfuse: the buffers' alignment changed since the launch was recorded");
+    }
+    gpu::CountRecord(true);
+    return record.UpdateLaunch(commands[0], kernel_args);
+  } catch (const std::exception& e) {
+    return ffi::Error(ffi::ErrorCode::kInternal, e.what());
+  }
+}
+
+auto RecordBinding() {
+  return ffi::Ffi::BindRecord()
+      .Ctx<ffi::Extension<RecordExtension>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::State<GpuPlanState>>()
+      .RemainingArgs()
+      .Ret<ffi::AnyBuffer>();
+}
+#endif
+
 auto InitializeBinding() {
   return ffi::Ffi::Bind<ffi::ExecutionStage::kInitialize>()
       .Ctx<ffi::DeviceOrdinal>()
@@ -118,6 +190,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainCudaInitialize, Initialize<gpu::Platfor
                               InitializeBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainCuda, Execute<gpu::Platform::kCuda>, ExecuteBinding(),
                               {kTraits});
+#ifdef JAXFUSE_FFI_RECORD
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainCudaRecord, Record<gpu::Platform::kCuda>,
+                              RecordBinding());
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainRocmInitialize, Initialize<gpu::Platform::kRocm>,
                               InitializeBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kFusedChainRocm, Execute<gpu::Platform::kRocm>, ExecuteBinding(),

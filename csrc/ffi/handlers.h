@@ -7,12 +7,21 @@
 
 #include "xla/ffi/api/c_api.h"
 
+// The FFI headers of jax >= 0.11 have the record stage (command-buffer nodes recorded by the
+// handler); the extension then exports a record handler for CUDA.
+#if __has_include("xla/ffi/api/record_api.h")
+#define JAXFUSE_FFI_RECORD 1
+#endif
+
 namespace jaxfuse {
 
 extern "C" XLA_FFI_Error* kFusedChainCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainGpuInstantiate(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainCuda(XLA_FFI_CallFrame* call_frame);
+#ifdef JAXFUSE_FFI_RECORD
+extern "C" XLA_FFI_Error* kFusedChainCudaRecord(XLA_FFI_CallFrame* call_frame);
+#endif
 extern "C" XLA_FFI_Error* kFusedChainRocmInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* kFusedChainRocm(XLA_FFI_CallFrame* call_frame);
 // The batched float conversion ("jaxfuse_convert_many"); on the CPU it lowers to XLA's converts.
@@ -22,6 +31,14 @@ extern "C" XLA_FFI_Error* kConvertManyRocmInitialize(XLA_FFI_CallFrame* call_fra
 extern "C" XLA_FFI_Error* kConvertManyRocm(XLA_FFI_CallFrame* call_frame);
 // The device stopwatch's mark (CUDA and ROCM alike: the platform is the stopwatch's).
 extern "C" XLA_FFI_Error* kStopwatchGpu(XLA_FFI_CallFrame* call_frame);
+
+#ifdef JAXFUSE_FFI_RECORD
+// Registering the CUDA bundle with its record stage (ffi/record_registration.cc): the probe
+// target's raw handler, and the registration under `name` through the API the probe received
+// ("" on success, else why not).
+extern "C" XLA_FFI_Error* kFfiApiProbeCuda(XLA_FFI_CallFrame* call_frame);
+const char* RegisterCudaRecordBundle(const char* name);
+#endif
 
 // The GPU handlers' per-call state type (see ffi/plan_state.h): the type id it is registered
 // under with XLA (jax.ffi.register_ffi_type), and how XLA deletes one.

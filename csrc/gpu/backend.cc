@@ -178,7 +178,7 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
     Count(&BackendStats::compilations);
     return fresh;
   };
-  std::string binary;
+  std::string& binary = kernel->binary;
   if (disk.Load(key, &binary)) {
     kernel->origin = "disk cache";
     Count(&BackendStats::disk_hits);
@@ -186,10 +186,12 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
       kernel->functions = driver.Load(ordinal, binary, kernel->generated.entries);
     } catch (const std::exception&) {
       // Verified but unloadable (e.g. written by a driver this one cannot read): rebuild it.
-      kernel->functions = driver.Load(ordinal, compile(), kernel->generated.entries);
+      binary = compile();
+      kernel->functions = driver.Load(ordinal, binary, kernel->generated.entries);
     }
   } else {
-    kernel->functions = driver.Load(ordinal, compile(), kernel->generated.entries);
+    binary = compile();
+    kernel->functions = driver.Load(ordinal, binary, kernel->generated.entries);
   }
   {
     std::lock_guard<std::mutex> stats_lock(stats_mu);
@@ -199,6 +201,19 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
   return kernel;
 }
 
+size_t EntryFor(const LoadedKernel& kernel, const FusedParams& params) {
+  const auto& entries = kernel.generated.entries;
+  for (size_t i = 0; i + 1 < entries.size(); ++i) {
+    const int a = entries[i].alignment;
+    if (Aligned(params.x, a) && Aligned(params.y, a) &&
+        (params.w == nullptr || Aligned(params.w, a)) &&
+        (params.side == nullptr || Aligned(params.side, a))) {
+      return i;
+    }
+  }
+  return entries.size() - 1;
+}
+
 void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel, void* stream,
             const FusedParams& params) {
   if (spec.output_elements() == 0) return;
@@ -206,17 +221,8 @@ void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel,
     Driver::Get(platform).Memset(params.y, 0xff, spec.output_elements() * dtype_size(spec.dtype),
                                  stream);
   }
-  const auto& entries = kernel.generated.entries;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const int a = entries[i].alignment;
-    const bool fits = Aligned(params.x, a) && Aligned(params.y, a) &&
-                      (params.w == nullptr || Aligned(params.w, a)) &&
-                      (params.side == nullptr || Aligned(params.side, a));
-    if (fits || i + 1 == entries.size()) {
-      Driver::Get(platform).Launch(kernel.functions[i], entries[i], stream, params);
-      return;
-    }
-  }
+  const size_t i = EntryFor(kernel, params);
+  Driver::Get(platform).Launch(kernel.functions[i], kernel.generated.entries[i], stream, params);
 }
 
 const std::string& KernelSourcesHash() {
@@ -235,6 +241,9 @@ const std::string& KernelSourcesHash() {
 void CountCompilation() { Count(&BackendStats::compilations); }
 void CountDiskHit() { Count(&BackendStats::disk_hits); }
 void CountLoad() { Count(&BackendStats::loads); }
+void CountRecord(bool update) {
+  Count(update ? &BackendStats::record_updates : &BackendStats::records);
+}
 
 BackendStats Stats() {
   std::lock_guard<std::mutex> lock(stats_mu);

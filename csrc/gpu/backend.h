@@ -17,6 +17,7 @@ namespace jaxfuse::gpu {
 struct LoadedKernel {
   GeneratedKernel generated;
   std::vector<void*> functions;  // one per generated entry point
+  std::string binary;            // the loaded module (XLA's record stage loads it again)
   std::string arch;
   int variant = 0;     // which tile configuration (autotuned; 0 = the heuristic's)
   std::string origin;  // "compiled" or "disk cache"
@@ -28,6 +29,8 @@ struct BackendStats {
   int64_t tunings = 0;       // plans autotuned (each compiles and times all its variants)
   int64_t disk_hits = 0;
   int64_t loads = 0;  // modules loaded onto a device
+  int64_t records = 0;         // launch commands XLA's record stage created through the handler
+  int64_t record_updates = 0;  // ... and updated
 };
 
 // The kernel for `spec` on device `ordinal`, compiled and loaded on first use. Thread-safe:
@@ -36,8 +39,11 @@ struct BackendStats {
 std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec& spec,
                                               int ordinal);
 
-// Launches the kernel on `stream`, choosing the fastest entry point the buffers' alignment
-// allows. A plan with an empty output launches nothing.
+// The fastest of the kernel's entry points that the buffers' alignment allows.
+size_t EntryFor(const LoadedKernel& kernel, const FusedParams& params);
+
+// Launches the kernel on `stream` through EntryFor's entry point. A plan with an empty output
+// launches nothing.
 void Launch(Platform platform, const PlanSpec& spec, const LoadedKernel& kernel, void* stream,
             const FusedParams& params);
 
@@ -57,5 +63,6 @@ const std::string& KernelSourcesHash();
 void CountCompilation();
 void CountDiskHit();
 void CountLoad();
+void CountRecord(bool update);
 
 }  // namespace jaxfuse::gpu

@@ -679,21 +679,29 @@ const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* 
   return entry.map;
 }
 
-void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
-                    const FusedParams& params) const {
-  if (!entry.tensor_maps.empty()) {
-    // Maps hold the buffers' addresses: encoded for the buffers of this launch (the input's,
-    // and the filters' unless the kernel reads them itself).
-    TmaParams args{};
-    args.x = CachedTensorMap(entry.tensor_maps[0], params.x);
-    if (entry.tensor_maps.size() > 1) args.w = CachedTensorMap(entry.tensor_maps[1], params.w);
-    args.p = params;
-    LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &args);
-    return;
+const void* Driver::ParamBlock(const EntryPoint& entry, const FusedParams& params,
+                               TmaParams* tma, size_t* bytes) const {
+  if (entry.tensor_maps.empty()) {
+    *bytes = sizeof(FusedParams);
+    return &params;
   }
-  LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream, &params);
+  // Maps hold the buffers' addresses: encoded for these buffers (the input's, and the
+  // filters' unless the kernel reads them itself).
+  *tma = TmaParams{};
+  tma->x = CachedTensorMap(entry.tensor_maps[0], params.x);
+  if (entry.tensor_maps.size() > 1) tma->w = CachedTensorMap(entry.tensor_maps[1], params.w);
+  tma->p = params;
+  *bytes = sizeof(TmaParams);
+  return tma;
 }
 
+void Driver::Launch(void* function, const EntryPoint& entry, void* stream,
+                    const FusedParams& params) const {
+  TmaParams tma;  // (filled only for entries with tensor maps)
+  size_t bytes = 0;
+  LaunchBlock(function, entry.grid, entry.block, entry.shared_bytes, stream,
+              ParamBlock(entry, params, &tma, &bytes));
+}
 void Driver::LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
                          void* stream, const void* params) const {
   void* args[] = {const_cast<void*>(params)};  // the driver copies the block when enqueuing

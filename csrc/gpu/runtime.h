@@ -59,10 +59,14 @@ class Driver {
   // Fills `bytes` bytes at `device_ptr` with `value`, in order on `stream`.
   void Memset(void* device_ptr, unsigned char value, size_t bytes, void* stream) const;
 
-  // Launches `function` on `stream` with `params` as its only argument (or, for an entry with
-  // tensor maps, TmaParams with the maps encoded for `params`' buffers).
+  // Launches `function` on `stream` with ParamBlock's block as its only argument.
   void Launch(void* function, const EntryPoint& entry, void* stream,
               const FusedParams& params) const;
+  // The parameter block `entry` takes for `params`: `params` itself, or for an entry with
+  // tensor maps, TmaParams (in `*tma`) with the maps encoded for its buffers. Its size in
+  // `*bytes`.
+  const void* ParamBlock(const EntryPoint& entry, const FusedParams& params, TmaParams* tma,
+                         size_t* bytes) const;
   // Encodes `spec` for the buffer at `address` (CUDA; throws where the driver cannot).
   void EncodeTensorMap(const TensorMapSpec& spec, const void* address, TensorMap* map) const;
   // The same, remembered per thread for the last buffers seen (see runtime.cc).
