@@ -36,7 +36,8 @@ def main() -> None:
     device = jax.devices(a.platform)[0] if a.platform else jax.devices()[0]
     plan, _ = case.plan(device, solver="fused")
     signature = plan.signature
-    filters = solvers.kernel_filters(signature, device)
+    kernel = solvers.prepare_fused(signature, device)
+    filters = kernel.filters
     print(f"{signature.describe()} on {device.device_kind}: kernel {plan.kernel_info}, "
           f"filter form {filters}")
     sets = measure.random_operands(signature, device, measure.set_count(signature, device))
@@ -55,7 +56,7 @@ def main() -> None:
                       f"{t.host * 1e6:8.1f} us  cut short {t.cut_short}")
         if name == "xla":
             xla_cost = harness.run()[1].cost
-    decision = find._measure(signature, device, filters)
+    decision = find._measure(signature, device, kernel)
     print(f"find: {decision.solver}  times {dict(decision.times_us)}  device "
           f"{dict(decision.device_us)}  host {dict(decision.host_us)}  failures "
           f"{dict(decision.failures)}")
