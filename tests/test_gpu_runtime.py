@@ -466,6 +466,39 @@ def test_the_swapped_operand_tiles_are_correct(tmp_path) -> None:
     _run_ok_child(_SWAP_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma sw")
 
 
+# conv_tma's halo tiles (a tile's input window loaded once, each tap a view of it; stride 1,
+# 64 -> 64 channels), forced: partial tiles in both directions, asymmetric, negative and no
+# padding, 1x3 and 3x1 windows, a side input, per-activation batch norm, both 16-bit dtypes,
+# a ResNet-50 layer's geometry, and infinities in the input.
+_HALO_CHILD = textwrap.dedent("""
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import Case, run_case_with_infinities, run_forced_cases
+    gpu = jax.devices("gpu")[0]
+    NHWC = dict(layout="NHWC", filter_layout="HWIO", c=64, k=64)
+    cases = [
+        Case(ops="CBNA", n=3, h=17, w=19, dtype="bfloat16", **NHWC),
+        Case(ops="CBNSA", n=2, h=40, w=24, dtype="float16", **NHWC),
+        Case(ops="CBA", n=2, h=12, w=13, padding=((0, 2), (1, 0)), activation="clipped_relu",
+             dtype="bfloat16", **NHWC),
+        Case(ops="CNA", n=1, h=9, w=11, padding="VALID", bn_mode="per_activation",
+             dtype="float16", **NHWC),
+        Case(ops="CBNA", n=2, h=10, w=10, padding=((-1, 1), (1, 1)), dtype="bfloat16", **NHWC),
+        Case(ops="CBNA", n=2, h=7, w=30, r=1, s=3, padding="SAME", dtype="float16", **NHWC),
+        Case(ops="CBNSA", n=2, h=33, w=9, r=3, s=1, padding="SAME", dtype="bfloat16", **NHWC),
+        Case(ops="CBNA", n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+    ]
+    run_forced_cases(cases, gpu, lambda info: info["tile"].endswith(" halo"))
+    run_case_with_infinities(cases[0], gpu)
+    print("ok")
+""")
+
+
+def test_the_halo_tiles_are_correct(tmp_path) -> None:
+    _run_ok_child(_HALO_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma halo")
+
+
 # NCHW plans in their NHWC form (input transposed to NHWC, HWIO filters, the kernel writing
 # NCHW planes: jaxfuse.solvers.kernel_forms), the form forced over the measured choice:
 # partial tiles, stride 2, 1x1, 64 output channels (swapped tiles), a side input and

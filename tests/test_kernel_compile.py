@@ -463,6 +463,35 @@ def test_swapped_tiles_are_offered_where_they_apply(case: Case, offered: bool,
         monkeypatch.delenv(switch)
 
 
+# conv_tma's halo tiles: offered for 16-bit, stride-1, undilated layers of one group with 64
+# input and 64 output channels, HWIO filters and 2-9 taps, never otherwise, and not with
+# JAXFUSE_TMA_HALO=0.
+HALO = [(Case(ops="CBNA", dtype=dt, layout="NHWC", filter_layout=fl, c=c, k=k, n=4, h=28, w=28,
+              r=r, s=r, strides=(st, st), dilation=(d, d), padding="SAME"), offered)
+        for dt, fl, c, k, r, st, d, offered in (
+            ("bfloat16", "HWIO", 64, 64, 3, 1, 1, True),
+            ("float16", "HWIO", 64, 64, 3, 1, 1, True),
+            ("bfloat16", "HWIO", 64, 64, 3, 2, 1, False),
+            ("bfloat16", "HWIO", 64, 64, 3, 1, 2, False),
+            ("bfloat16", "HWIO", 128, 64, 3, 1, 1, False),
+            ("bfloat16", "HWIO", 64, 64, 1, 1, 1, False),
+            ("bfloat16", "HWIO", 64, 64, 5, 1, 1, False),
+            ("bfloat16", "OHWI", 64, 64, 3, 1, 1, False))]
+
+
+@pytest.mark.parametrize("case, offered", HALO, ids=str)
+def test_halo_tiles_are_offered_where_they_apply(case: Case, offered: bool,
+                                                 monkeypatch) -> None:
+    encoded = case.build()[0].signature.encode()
+
+    def halo() -> list[str]:
+        return [out["tile"] for out in _sm90_variants(encoded) if out["tile"].endswith(" halo")]
+
+    assert halo() == (["256x64 s2 e64 b1 pp sw halo"] if offered else [])
+    monkeypatch.setenv("JAXFUSE_TMA_HALO", "0")
+    assert halo() == []
+
+
 @pytest.mark.parametrize("case", PINGPONG, ids=str)
 def test_ping_pong_tiles_compile_unless_withdrawn(case: Case, monkeypatch) -> None:
     encoded = case.build()[0].signature.encode()

@@ -138,3 +138,11 @@ def test_the_model_catches_the_broken_variants(schedule: str, k_tiles: int, stag
         except Broken:
             failures += 1
     assert failures > 0
+
+
+def test_halo_tiles_need_no_turn_barrier() -> None:
+    # conv_tma's halo tiles: one stage a tile and two stages, so each consumer owns every other
+    # stage and its parity waits cannot pass a phase early without the turn barriers.
+    for tiles in range(1, 8):
+        for seed in range(40):
+            run(1, 2, tiles, "pingpong-no-turn", seed)

@@ -641,8 +641,9 @@ void Driver::EncodeTensorMap(const TensorMapSpec& spec, const void* address,
           : api_->encode_tiled(map, spec.data_type, spec.rank, global, spec.dims, spec.strides,
                                spec.box, spec.element_strides, kInterleaveNone, kSwizzle128,
                                kL2Promote128, kFillZeros);
-  Check(status, spec.im2col ? "encoding the input's im2col tensor map"
-                            : "encoding the filters' tensor map");
+  Check(status, spec.im2col    ? "encoding the input's im2col tensor map"
+                : spec.filters ? "encoding the filters' tensor map"
+                               : "encoding the input's tiled tensor map");
 }
 
 namespace {

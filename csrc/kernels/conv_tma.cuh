@@ -37,6 +37,19 @@
 // ping-pong schedule); its accumulators hold (channel, pixel) pairs, which the epilogue writes
 // transposed into the staging tile, one row per pixel as the unswapped epilogue reads it.
 //
+// kHalo (swapped 256-pixel tiles of stride-1, undilated layers with 64 input and 64 output
+// channels, one group): the im2col copies bring each input value in once per filter tap (nine
+// times for 3x3), and the copy engine's writes were the largest share of the shared-memory
+// traffic that bounds ResNet-50's 3x3/64 layer. A halo tile is 8 output columns x kBM / 8
+// rows; its input window, halo included, arrives once as a tiled box (W innermost after the
+// channels: box row (y, x) at y * kBoxW + x), the filters of every tap stay in shared memory
+// for the whole kernel, and each tap's B is a view of the box: operand row n (output pixel
+// (n / 8, n % 8)) is box row (n / 8 + r) * kBoxW + n % 8 + s, so a view starts r * kBoxW + s
+// rows in and its 8-row groups are kBoxW rows apart (the descriptor's stride byte offset).
+// wgmma reads such views exactly with the descriptor's base offset 0: the swizzle follows the
+// absolute address (scripts/halo_probe.py, H100). Each consumer owns every other stage (two
+// stages), so its waits need no turn barrier.
+//
 // TF32 reads both operands K-major, and a tiled copy of [kk][k] (HWIO) filters can only land
 // MN-major: there the whole producer warpgroup writes B transposed, with 4-byte cp.async copies
 // (a warp's 8 channels x 4 values per copy, conflict-free), one stage behind its issue so the
@@ -46,7 +59,7 @@
 // From the code generator (namespace plan): kBM (128, or 256 with kSwapAB), kBN (64, 128 or
 // 256), kStages, kEpiCols (32 or 64), kSmemBytes, kBlocks (blocks per multiprocessor: 2 lets
 // one block's epilogue overlap the other's multiplies, for short reductions), kPingPong,
-// kSwapAB. The host encodes the tensor maps per launch (TmaParams) and checks what the copy
+// kSwapAB, kHalo. The host encodes the tensor maps per launch (TmaParams) and checks what the copy
 // engine needs: CG a multiple of a k-tile, KG % 8 == 0, 16-byte aligned buffers, corners and
 // strides the im2col map can express.
 #pragma once
@@ -74,15 +87,27 @@ constexpr int kStageReaders = (kPingPong ? 1 : kConsumers) * 128;
 constexpr bool kTransposeB = kTf32 && !kFiltersKMajor;
 constexpr int kThreads = (1 + kConsumers) * 128;
 constexpr int kKTiles = static_cast<int>(kTaps * CG / kBK);
-constexpr i64 kTiles = ((M + kBM - 1) / kBM) * ((KG + kBN - 1) / kBN) * G;
+// kHalo: tiles of 8 output columns x kHaloRows rows, their input windows (boxes) of
+// kBoxW x kBoxH pixels, and every tap's 64 x 64 filters resident.
+constexpr int kHaloRows = kBM / 8;
+constexpr int kBoxW = 8 + static_cast<int>(S) - 1, kBoxH = kHaloRows + static_cast<int>(R) - 1;
+constexpr u32 kBoxBytes = kBoxW * kBoxH * 128;
+constexpr i64 kHaloTilesX = (Q + 7) / 8, kHaloTilesY = (P + kHaloRows - 1) / kHaloRows;
+constexpr u32 kFilterTapBytes = 64 * 128;
+constexpr u32 kFiltersBytes = kHalo ? static_cast<u32>(kTaps) * kFilterTapBytes : 0;
+constexpr i64 kTiles = kHalo ? N * kHaloTilesY * kHaloTilesX
+                             : ((M + kBM - 1) / kBM) * ((KG + kBN - 1) / kBN) * G;
 constexpr u32 kATileBytes = kBM * 128;
 constexpr u32 kBTileBytes = kBN * 128;
-constexpr u32 kStageBytes = kATileBytes + kBTileBytes;  // a multiple of the 1024-byte atom
+// A stage: a k-tile's A and B (a multiple of the 1024-byte atom), or a halo tile's box.
+constexpr u32 kStageBytes = kHalo ? (kBoxBytes + 1023) / 1024 * 1024 : kATileBytes + kBTileBytes;
 constexpr u32 kNBlockBytes = 64 * 128;  // MN-major B: 64 K rows of one 64-wide block of N
 constexpr int kEpiPitch = kEpiCols + 4;  // floats: 16-byte rows, writes spread over banks
 constexpr u32 kEpiBytes = 64 * kEpiPitch * 4;  // one consumer warpgroup's staging tile
-constexpr u32 kBarriersOffset = kStages * kStageBytes + kConsumers * kEpiBytes;
-constexpr u32 kBarrierBytes = 16 * kStages + (kPingPong ? 8 * kConsumers : 0);
+constexpr u32 kFiltersOffset = kStages * kStageBytes;
+constexpr u32 kEpiOffset = kFiltersOffset + kFiltersBytes;
+constexpr u32 kBarriersOffset = kEpiOffset + kConsumers * kEpiBytes;
+constexpr u32 kBarrierBytes = 16 * kStages + (kPingPong ? 8 * kConsumers : 0) + (kHalo ? 8 : 0);
 // Registers per thread: the producer keeps few, the consumers take the rest of what the block
 // was given at launch (the 64K shared by kBlocks blocks, a code-generator constant: 168 or 80
 // per thread). A consumer claiming more than the producer gave back would wait forever.
@@ -98,6 +123,9 @@ static_assert(kBM == 128 || kSwapAB, "256-pixel tiles only swapped");
 static_assert(!kSwapAB || (kPingPong && kBN == 64 && kEpiCols == 64 && !kTf32 &&
                            !kFiltersKMajor && (kBM == 128 || kBM == 256)),
               "swapped: one consumer, 64 channels from [kk][k] filters, 128 or 256 pixels");
+static_assert(!kHalo || (kSwapAB && CG == 64 && KG == 64 && G == 1 && SH == 1 && SW == 1 &&
+                         DH == 1 && DW == 1 && kOutNHWC && kStages == kConsumers),
+              "halo tiles: swapped, 64 -> 64 channels, stride 1, no dilation, a stage each");
 static_assert(kBN % kEpiCols == 0 && (kEpiCols == 32 || kEpiCols == 64), "epilogue slices");
 static_assert(kStages >= 2, "a stage loading while one multiplies");
 // Transposed B arrives a stage late: with two stages the producer would wait for a stage the
@@ -121,6 +149,41 @@ struct Ring {
   // kPingPong: consumer c's turn barrier, one phase per tile of the other consumer whose
   // stages have all landed (each of its 128 threads arrives).
   JF_DEVICE u32 turn_bar(int c) const { return empty + 8 * kStages + 8 * c; }
+  // kHalo: the resident filters (tap t's 64 x 64 A at filters + t * kFilterTapBytes) and the
+  // barrier their copies complete.
+  u32 filters;
+  JF_DEVICE u32 filters_bar() const {
+    return empty + 8 * kStages + (kPingPong ? 8 * kConsumers : 0);
+  }
+};
+
+// kHalo: a tile's image and first output row and column (tiles walk columns, then rows).
+struct HaloOrigin {
+  i64 image;
+  int y0, x0;
+};
+
+JF_DEVICE HaloOrigin halo_origin(i64 tile) {
+  return HaloOrigin{tile / (kHaloTilesX * kHaloTilesY),
+                    static_cast<int>(tile / kHaloTilesX % kHaloTilesY) * kHaloRows,
+                    static_cast<int>(tile % kHaloTilesX) * 8};
+}
+
+// The output pixel of each row of a consumer's 64-row block (-1: outside the output):
+// consecutive pixels from m_rows, or for a halo tile operand rows n0.. at (n / 8, n % 8) from
+// the tile's origin.
+struct RowPixels {
+  i64 m_rows;
+  HaloOrigin halo;
+  int n0;
+  JF_DEVICE i64 pixel(int row) const {
+    if constexpr (kHalo) {
+      const int n = n0 + row, y = halo.y0 + n / 8, x = halo.x0 + n % 8;
+      return y < P && x < Q ? (halo.image * P + y) * Q + x : -1;
+    } else {
+      return m_rows + row < M ? m_rows + row : -1;
+    }
+  }
 };
 
 // TF32, [kk][k] filters: this producer thread's copies of k-tile kt's B into `stage`, stored
@@ -164,11 +227,36 @@ JF_DEVICE void load_b(const TmaParams& args, u32 stage, u32 bar, int kk0, int k0
   }
 }
 
+// kHalo's producer thread: every tap's filters once, then each of this block's tiles' boxes,
+// stage by stage (a stage is free again once its consumer has multiplied the tile).
+JF_DEVICE void produce_halo(const TmaParams& args, const Ring& ring) {
+  tma::prefetch_map(&args.x);
+  tma::prefetch_map(&args.w);
+  tma::arrive_expect_bytes(ring.filters_bar(), kFiltersBytes);
+  for (int tap = 0; tap < static_cast<int>(kTaps); ++tap) {
+    tma::load_tile(ring.filters + tap * kFilterTapBytes, &args.w, 0, tap * static_cast<int>(CG),
+                   ring.filters_bar());
+  }
+  u32 it = 0;
+  for (i64 tile = blockIdx.x; tile < kTiles; tile += gridDim.x, ++it) {
+    const int s = static_cast<int>(it % kStages);
+    tma::wait(ring.empty_bar(s), ((it / kStages) & 1) ^ 1);  // a fresh ring is empty
+    const HaloOrigin o = halo_origin(tile);
+    tma::arrive_expect_bytes(ring.full_bar(s), kBoxBytes);
+    tma::load_box(ring.stage(s), &args.x, 0, o.x0 - static_cast<int>(PL),
+                  o.y0 - static_cast<int>(PT), static_cast<int>(o.image), ring.full_bar(s));
+  }
+}
+
 // The producer warpgroup: for each of this block's tiles, every k-tile's activations and
 // filters. Thread 0 issues the copy engine's work; with kTransposeB every thread also copies
 // its share of B, and arrives on a stage's barrier once those copies have landed (the barrier
 // then expects the copy engine's bytes and 128 such arrivals).
 JF_DEVICE void produce(const TmaParams& args, const Ring& ring, int thread) {
+  if constexpr (kHalo) {
+    if (thread == 0) produce_halo(args, ring);
+    return;
+  }
   if (thread == 0) {
     tma::prefetch_map(&args.x);
     if (!kTransposeB) tma::prefetch_map(&args.w);
@@ -243,15 +331,15 @@ constexpr int kSliceChunks = 64 * (kEpiCols / 8) / 128;
 // The side input of this thread's chunks of slice kSlice (nothing past the slices, the rows or
 // the channels).
 template <int kSlice>
-JF_DEVICE void load_slice_side(const Epilogue& ep, int thread, i64 m_rows, int n0, i64 group,
-                               SideChunk (&side)[kSliceChunks]) {
+JF_DEVICE void load_slice_side(const Epilogue& ep, int thread, const RowPixels& rows, int n0,
+                               i64 group, SideChunk (&side)[kSliceChunks]) {
   if constexpr (Epilogue::kSide && kOutNHWC && kSlice < kBN / kEpiCols) {
 #pragma unroll
     for (int i = 0; i < kSliceChunks; ++i) {
       const int chunk = thread + 128 * i;
-      const i64 m = m_rows + chunk / (kEpiCols / 8);
+      const i64 m = rows.pixel(chunk / (kEpiCols / 8));
       const int k = n0 + kSlice * kEpiCols + chunk % (kEpiCols / 8) * 8;
-      if (m < M && k < KG) side[i] = load_side(ep, m, k, group);
+      if (m >= 0 && k < KG) side[i] = load_side(ep, m, k, group);
     }
   }
 }
@@ -269,13 +357,14 @@ constexpr bool kSideAhead = kBN < 256 && kOutNHWC;
 template <int kSlice>
 JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
                             const Epilogue::Channel* terms, const SideChunk (&ahead)[kSliceChunks],
-                            int barrier, int thread, i64 m_rows, int n0, i64 group, Io::type* y) {
+                            int barrier, int thread, const RowPixels& rows, int n0, i64 group,
+                            Io::type* y) {
   if constexpr (kSlice < kBN / kEpiCols) {
     SideChunk side[kSliceChunks], next[kSliceChunks];
     if constexpr (kSideAhead) {
 #pragma unroll
       for (int i = 0; i < kSliceChunks; ++i) side[i] = ahead[i];
-      load_slice_side<kSlice + 1>(ep, thread, m_rows, n0, group, next);
+      load_slice_side<kSlice + 1>(ep, thread, rows, n0, group, next);
     }
     const int lane = thread % 32, warp = thread / 32;
     // Accumulators -> staging. wgmma's layout: warp w owns rows 16w..16w+15; registers i, i + 1
@@ -303,9 +392,9 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
       for (int i = 0; i < kSliceChunks; ++i) {
         const int chunk = thread + 128 * i;
         const int row = chunk % 64, col8 = chunk / 64;
-        const i64 m = m_rows + row;
+        const i64 m = rows.pixel(row);
         const int k = n0 + kSlice * kEpiCols + col8 * 8;
-        if (m >= M || k >= KG) continue;
+        if (m < 0 || k >= KG) continue;
         const float* src = staging + row * kEpiPitch + col8 * 8;
         const float4 lo = *reinterpret_cast<const float4*>(src);
         const float4 hi = *reinterpret_cast<const float4*>(src + 4);
@@ -317,9 +406,9 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
     for (int i = 0; i < (kOutNHWC ? kSliceChunks : 0); ++i) {
       const int chunk = thread + 128 * i;
       const int row = chunk / (kEpiCols / 8), col8 = chunk % (kEpiCols / 8);
-      const i64 m = m_rows + row;
+      const i64 m = rows.pixel(row);
       const int k = n0 + kSlice * kEpiCols + col8 * 8;
-      if (m >= M || k >= KG) continue;
+      if (m < 0 || k >= KG) continue;
       const float4 lo = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8);
       const float4 hi = *reinterpret_cast<const float4*>(staging + row * kEpiPitch + col8 * 8 + 4);
       const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
@@ -327,24 +416,119 @@ JF_DEVICE void store_slices(const Epilogue& ep, const float (&acc)[kBN / 2], flo
                   kSideAhead ? side[i] : load_side(ep, m, k, group), m, k, group, y);
     }
     tma::sync_threads(barrier, 128);  // the slice is read: the next may overwrite it
-    store_slices<kSlice + 1>(ep, acc, staging, terms, next, barrier, thread, m_rows, n0, group,
-                             y);
+    store_slices<kSlice + 1>(ep, acc, staging, terms, next, barrier, thread, rows, n0, group, y);
   }
 }
 
 typedef TermLoads<kBN, 128> ConsumerTermLoads;
 
-// One consumer warpgroup's epilogue: its 64 rows (m_rows..) x kBN channels (n0..) of `group`
+// Swapped tiles whose chain reads nothing per element (no side input, no per-activation batch
+// norm): a thread's 32 accumulators of a 64-pixel block belong to two channels, so the chain
+// runs on them in registers and only the finished 16-bit values pass through shared memory,
+// transposed into rows of pixels, on their way to 16-byte stores. Nsight Compute found the
+// 3x3/64 layer's kernel bound by the shared-memory path (86% busy) with its epilogue's
+// arithmetic waiting on the fp32 staging's reads (short scoreboard, the top stall); this moves
+// a quarter of the bytes and no read precedes the arithmetic.
+constexpr bool kRegisterEpilogue =
+    kSwapAB && kOutNHWC && !Epilogue::kSide && !Epilogue::kElementParams;
+constexpr int kEpi16Pitch = 72;  // 16-bit values a staged pixel row: 144 bytes, conflict-free
+
+JF_DEVICE void store_rows_in_registers(const Epilogue& ep, const float (&acc)[kBN / 2],
+                                       Io::type* staging, const Epilogue::Channel* terms,
+                                       int barrier, int thread, const RowPixels& rows,
+                                       i64 group, Io::type* y) {
+  static_assert(!kRegisterEpilogue || (kBN == 64 && sizeof(Io::type) == 2),
+                "one 64-channel block of 16-bit values");
+  const int lane = thread % 32, warp = thread / 32;
+  const int channel = warp * 16 + lane / 4;  // and channel + 8 (wgmma's row layout)
+  const Epilogue::Channel terms_of[2] = {terms[channel], terms[channel + 8]};
+#pragma unroll
+  for (int i = 0; i < kBN / 2; ++i) {
+    const int half = (i % 4) / 2, pixel = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+    staging[pixel * kEpi16Pitch + channel + 8 * half] =
+        Io::store(ep.apply_side(acc[i], terms_of[half], 0, 0.0f));
+  }
+  tma::sync_threads(barrier, 128);  // the block's 64 pixel rows are staged
+#pragma unroll
+  for (int j = 0; j < 64 * 8 / 128; ++j) {  // 8 chunks of 8 channels a pixel
+    const int chunk = thread + 128 * j, row = chunk / 8, c8 = chunk % 8;
+    const i64 m = rows.pixel(row);
+    if (m >= 0) {
+      store16(y + m * K + group * KG + c8 * 8,
+              *reinterpret_cast<const Vec16*>(staging + row * kEpi16Pitch + c8 * 8));
+    }
+  }
+  tma::sync_threads(barrier, 128);  // read: the next block may overwrite it
+}
+
+// One consumer warpgroup's epilogue: its 64 rows (`rows`) x kBN channels (n0..) of `group`
 // (`new_channels`: other channels than its previous tile's, whose terms the table holds; their
 // parameters are in `loads`, issued before the tile's multiply).
 JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float* staging,
                           Epilogue::Channel* terms, bool new_channels,
-                          const ConsumerTermLoads& loads, int consumer, int thread, i64 m_rows,
-                          int n0, i64 group, Io::type* y) {
+                          const ConsumerTermLoads& loads, int consumer, int thread,
+                          const RowPixels& rows, int n0, i64 group, Io::type* y) {
+  if constexpr (kRegisterEpilogue) {
+    if (new_channels) {
+      store_terms(ep, loads, terms, n0, thread);
+      tma::sync_threads(1 + consumer, 128);  // read by other threads before any other barrier
+    }
+    store_rows_in_registers(ep, acc, reinterpret_cast<Io::type*>(staging), terms, 1 + consumer,
+                            thread, rows, group, y);
+    return;
+  }
   SideChunk side[kSliceChunks];
-  if constexpr (kSideAhead) load_slice_side<0>(ep, thread, m_rows, n0, group, side);
+  if constexpr (kSideAhead) load_slice_side<0>(ep, thread, rows, n0, group, side);
   if (new_channels) store_terms(ep, loads, terms, n0, thread);
-  store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, m_rows, n0, group, y);
+  store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, rows, n0, group, y);
+}
+
+// kHalo's consumer warpgroup: tiles j = consumer, consumer + 2, ... of this block, each in its
+// own stage (j % kStages == consumer): every tap's four k-steps multiply the tap's resident
+// filters by a view of the tile's box; the stage is free once they are done.
+JF_DEVICE void consume_halo(const TmaParams& args, const Ring& ring, float* staging,
+                            Epilogue::Channel* terms, int consumer, int thread) {
+  const Epilogue ep(args.p);
+  Io::type* y = static_cast<Io::type*>(args.p.y);
+  // One group of 64 channels: its terms, once.
+  store_terms(ep, load_terms<kBN, 128>(ep, 0, 0, thread), terms, 0, thread);
+  tma::sync_threads(1 + consumer, 128);
+  tma::wait(ring.filters_bar(), 0);
+  for (i64 j = consumer, tile = blockIdx.x + j * gridDim.x; tile < kTiles;
+       j += kConsumers, tile += kConsumers * gridDim.x) {
+    const int s = static_cast<int>(j % kStages);
+    const HaloOrigin origin = halo_origin(tile);
+    float acc[kRowBlocks][kBN / 2];
+#pragma unroll
+    for (int b = 0; b < kRowBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
+    tma::wait(ring.full_bar(s), static_cast<u32>(j / kStages) & 1);
+    wgmma::fence();
+#pragma unroll
+    for (int tap = 0; tap < static_cast<int>(kTaps); ++tap) {
+      const int r = tap / static_cast<int>(S), c = tap % static_cast<int>(S);
+      const u32 view = ring.stage(s) + static_cast<u32>(r * kBoxW + c) * 128u;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {  // A: MN-major filters, a k16 step 2048 bytes
+        const u64 filters =
+            wgmma::descriptor(ring.filters + tap * kFilterTapBytes + 2048 * k, kNBlockBytes, 1024);
+        wgmma::mma_swapped(acc, filters, wgmma::descriptor(view + 32 * k, 16, kBoxW * 128));
+      }
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+#pragma unroll
+    for (int b = 0; b < kRowBlocks; ++b)
+#pragma unroll
+      for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[b][i]);
+    tma::arrive(ring.empty_bar(s));
+#pragma unroll
+    for (int b = 0; b < kRowBlocks; ++b) {
+      store_rows(ep, acc[b], staging, terms, false, ConsumerTermLoads{}, consumer, thread,
+                 RowPixels{0, origin, b * 64}, 0, 0, y);
+    }
+  }
 }
 
 // A consumer warpgroup: for each of its tiles, the multiply over every k-tile as its stages
@@ -353,6 +537,10 @@ JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float
 // consumers share each one, or with kPingPong take them in turn.
 JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
                        Epilogue::Channel* terms, int consumer, int thread) {
+  if constexpr (kHalo) {
+    consume_halo(args, ring, staging, terms, consumer, thread);
+    return;
+  }
   const Epilogue ep(args.p);
   Io::type* y = static_cast<Io::type*>(args.p.y);
   i64 channels = -1;  // the first channel of the previous tile's, in the terms table
@@ -399,7 +587,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
     tma::arrive(ring.empty_bar(previous));
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b) {
-      const i64 rows = m0 + (kPingPong ? b * 64 : consumer * 64);
+      const RowPixels rows{m0 + (kPingPong ? b * 64 : consumer * 64), {}, 0};
       store_rows(ep, acc[b], staging, terms, b == 0 && new_channels, term_loads, consumer,
                  thread, rows, n0, group, y);
     }
@@ -421,7 +609,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
   // generator reserved the slack.
   const u32 raw = mma::smem_addr(smem);
   const u32 base = (raw + 1023u) & ~1023u;
-  const Ring ring{base, base + kBarriersOffset, base + kBarriersOffset + 8 * kStages};
+  const Ring ring{base, base + kBarriersOffset, base + kBarriersOffset + 8 * kStages,
+                  base + kFiltersOffset};
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -431,6 +620,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
     if (kPingPong) {
       for (int c = 0; c < kConsumers; ++c) tma::barrier_init(ring.turn_bar(c), 128);
     }
+    if (kHalo) tma::barrier_init(ring.filters_bar(), 1);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -440,8 +630,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
   } else {
     tma::claim_registers<kConsumerRegisters>();
     const int consumer = warpgroup - 1;
-    float* staging = reinterpret_cast<float*>(
-        smem + (base - raw) + kStages * kStageBytes + consumer * kEpiBytes);
+    float* staging =
+        reinterpret_cast<float*>(smem + (base - raw) + kEpiOffset + consumer * kEpiBytes);
     consume(args, ring, staging, terms[consumer], consumer, thread);
   }
 }

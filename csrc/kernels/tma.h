@@ -78,6 +78,16 @@ JF_DEVICE void load_tile(u32 dst, const void* map, int x, int y, u32 bar) {
       : "memory");
 }
 
+// A box of a 4-D tensor (dimension 0 innermost) at coordinates (c, w, h, n); outside the
+// tensor, zeros.
+JF_DEVICE void load_box(u32 dst, const void* map, int c, int w, int h, int n, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+      "l"(map), "r"(bar), "r"(c), "r"(w), "r"(h), "r"(n)
+      : "memory");
+}
+
 // Register budgets per warpgroup (the kernel must cap registers at entry with
 // __launch_bounds__(threads, 1)): copy-issuing warps give registers to the multiplying ones.
 template <int kRegisters>
