@@ -79,11 +79,16 @@ NB_MODULE(_jaxfuse_ext, m) {
 #ifdef JAXFUSE_FFI_RECORD
   m.def("ffi_api_probe", [] { return Capsule(jaxfuse::kFfiApiProbeCuda); },
         "The CUDA probe target's handler: it keeps the FFI API XLA calls it with.");
-  m.def("register_cuda_record", [](const std::string& name) -> std::string {
-    return jaxfuse::RegisterCudaRecordBundle(name.c_str());
+  m.def("register_cuda_record", [](const std::string& name) -> std::tuple<std::string, std::string> {
+    const char* why = "";
+    switch (jaxfuse::RegisterCudaRecordBundle(name.c_str(), &why)) {
+      case jaxfuse::RecordRegistration::kDone: return {"done", ""};
+      case jaxfuse::RecordRegistration::kNoApiYet: return {"no api yet", why};
+      default: return {"refused", why};
+    }
   }, nb::arg("name"),
         "Registers the fused chain's CUDA bundle, record stage included, under `name` through "
-        "the API the probe received: \"\" on success, else why not.");
+        "the API the probe received: (\"done\" | \"no api yet\" | \"refused\", why not).");
 #endif
 
   m.def("ffi_types", [] {

@@ -62,6 +62,10 @@ def register_targets() -> None:
     if hasattr(extension(), "ffi_api_probe"):
         jax.ffi.register_ffi_target(API_PROBE_TARGET, extension().ffi_api_probe(),
                                     platform="CUDA")
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():  # (else at the first CUDA lowering)
+            record_target()
 
 
 _record_lock = threading.Lock()
@@ -77,7 +81,10 @@ def record_target() -> str | None:
     jaxlib 0.11.2's Python registration drops a handler dict's "record" stage, so this bundle is
     registered through the plugin's own FFI API, which the probe target received when the CUDA
     backend registered it (csrc/ffi/record_registration.cc). Called at lowering, once the
-    backend exists; a registration refused by XLA is not tried again."""
+    backend exists (and at import where it already does); a registration refused by XLA is
+    not tried again. A program compiled with this target and serialized as an executable
+    (not through ``jax.export``, whose programs name :data:`FFI_TARGET`) finds it in another
+    process only once that process has lowered a CUDA program or called this function."""
     if os.environ.get("JAXFUSE_FFI_RECORD", "1") == "0":
         return None
     ext = extension()
@@ -85,11 +92,11 @@ def record_target() -> str | None:
         return None
     with _record_lock:
         if "name" not in _record_state:
-            why = ext.register_cuda_record(RECORD_TARGET)
-            if why.startswith("the CUDA plugin has not registered"):
+            status, why = ext.register_cuda_record(RECORD_TARGET)
+            if status == "no api yet":
                 return None  # no CUDA backend yet: ask again at the next lowering
-            if why:
+            if status != "done":
                 logger.debug("jaxfuse: the fused chain's record stage is not registered: %s",
                              why)
-            _record_state["name"] = None if why else RECORD_TARGET
+            _record_state["name"] = RECORD_TARGET if status == "done" else None
         return _record_state["name"]

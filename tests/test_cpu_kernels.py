@@ -32,7 +32,8 @@ CONV_CASES = [
     Case(c=24, k=32, h=6, w=17, dtype="float16", **NHWC),
     Case(c=8, k=32, n=2, h=3, w=5, dtype="float16", ops="CBNSA", **NHWC),
     Case(c=64, k=96, h=5, w=15, dtype="bfloat16", ops="CNA", **NHWC),
-    # 16-bit conv epilogues from float32 tiles through pass16 (NCHW: a row per channel).
+    # 16-bit conv epilogues from float32 tiles through pass16 (NHWC: a row per pixel; NCHW:
+    # a row per channel).
     Case(c=8, k=40, n=1, h=5, w=7, dtype="bfloat16", ops="CBNSA", activation="clipped_relu",
          **NHWC),
     Case(c=8, k=12, n=2, h=5, w=7, dtype="float16", ops="CNA", activation="hardswish"),

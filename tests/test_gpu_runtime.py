@@ -256,7 +256,8 @@ _RECORDED_CHILD = textwrap.dedent("""
                       jnp.max(jnp.abs(r.astype(jnp.float32)))) for o, r in zip(outs, refs))
     stats = extension().gpu_stats()
     print(json.dumps({"target": record_target(), "records": stats["records"],
-                      "updates": stats["record_updates"], "error": error}))
+                      "updates": stats["record_updates"], "error": error,
+                      "built_with_record": hasattr(extension(), "register_cuda_record")}))
 """)
 
 
@@ -275,8 +276,10 @@ def test_recorded_launches_follow_moving_buffers(tmp_path, graphs: bool) -> None
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["error"] < 1e-2, out
-    if graphs and out["target"] is not None:  # (jax >= 0.11: the build has the record stage)
-        assert out["records"] >= 2 and out["updates"] >= 2, out
+    if out["built_with_record"]:  # (jax >= 0.11 headers: the build has the record stage)
+        assert out["target"] is not None, out  # registered past jaxlib (_extension.py)
+        if graphs:
+            assert out["records"] >= 2 and out["updates"] >= 2, out
 
 
 def test_info_lists_compiled_kernels(tmp_path) -> None:
@@ -488,6 +491,9 @@ _HALO_CHILD = textwrap.dedent("""
         Case(ops="CBNA", n=2, h=7, w=30, r=1, s=3, padding="SAME", dtype="float16", **NHWC),
         Case(ops="CBNSA", n=2, h=33, w=9, r=3, s=1, padding="SAME", dtype="bfloat16", **NHWC),
         Case(ops="CBNA", n=16, h=56, w=56, dtype="bfloat16", **NHWC),
+        # 672 tiles: five or six a persistent block, so each consumer's stage is reused
+        # (the second phase of every barrier).
+        Case(ops="CBNA", n=48, h=56, w=56, dtype="float16", **NHWC),
     ]
     run_forced_cases(cases, gpu, lambda info: info["tile"].endswith(" halo"))
     run_case_with_infinities(cases[0], gpu)

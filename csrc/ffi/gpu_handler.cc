@@ -49,9 +49,9 @@ struct GpuPlanState : PlanState {
   }
 
   std::array<std::atomic<const gpu::LoadedKernel*>, 64> slots{};
-  // The entry point the record stage created its command with (-1: none yet): an update
-  // can change a node's parameters, not its kernel.
-  std::atomic<int> recorded_entry{-1};
+  // Per device, the entry point the record stage created its command with, as its index + 1
+  // (0: none yet): an update can change a node's parameters, not its kernel.
+  std::array<std::atomic<int>, 64> recorded_entries{};
   std::mutex mu;
   std::vector<std::shared_ptr<const gpu::LoadedKernel>> owned;  // keeps the slots' kernels
 };
@@ -114,13 +114,26 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
     }
     const gpu::LoadedKernel& kernel = state->Kernel(kPlatform, device_ordinal);
     const FusedParams params = BindParams(spec, decoded);
-    const size_t entry_index = gpu::EntryFor(kernel, params);
+    std::atomic<int>& recorded = state->recorded_entries.at(device_ordinal);
+    const bool create = record.action() == ffi::RecordAction::kCreate;
+    // An update keeps the recorded entry point wherever it still runs on the new buffers (their
+    // alignment can only have to allow it): the node's kernel cannot change.
+    size_t entry_index = gpu::EntryFor(kernel, params);
+    if (!create) {
+      const int was = recorded.load() - 1;
+      if (was < 0 || !gpu::EntryApplies(kernel, static_cast<size_t>(was), params)) {
+        return ffi::Error(ffi::ErrorCode::kInternal,
+                          "jaxfuse: the buffers are less aligned than when the launch was "
+                          "recorded");
+      }
+      entry_index = static_cast<size_t>(was);
+    }
     const gpu::EntryPoint& entry = kernel.generated.entries[entry_index];
     TmaParams tma;
     size_t bytes = 0;
     const void* block = gpu::Driver::Get(kPlatform).ParamBlock(entry, params, &tma, &bytes);
     const std::array<ffi::KernelArg, 1> kernel_args{ffi::HostValue{block, bytes}};
-    if (record.action() == ffi::RecordAction::kCreate) {
+    if (create) {
       const XLA_FFI_LaunchDims dims{{static_cast<int32_t>(entry.grid), 1, 1},
                                     {static_cast<int32_t>(entry.block), 1, 1},
                                     {0, 0, 0}};  // (cluster shapes are compiled in)
@@ -128,17 +141,13 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
                                          kernel.binary.size(), ffi::SourceFormat::kCubin, dims,
                                          entry.shared_bytes, /*uses_pdl=*/false, kernel_args);
       if (command.has_error()) return command.error();
-      state->recorded_entry.store(static_cast<int>(entry_index));
+      recorded.store(static_cast<int>(entry_index) + 1);
       gpu::CountRecord(false);
       return ffi::Error::Success();
     }
     const auto commands = record.commands();
     if (commands.size() != 1) {
       return ffi::Error(ffi::ErrorCode::kInternal, "jaxfuse: expected one recorded launch");
-    }
-    if (state->recorded_entry.load() != static_cast<int>(entry_index)) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        "jaxfuse: the buffers' alignment changed since the launch was recorded");
     }
     gpu::CountRecord(true);
     return record.UpdateLaunch(commands[0], kernel_args);

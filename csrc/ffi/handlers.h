@@ -34,10 +34,11 @@ extern "C" XLA_FFI_Error* kStopwatchGpu(XLA_FFI_CallFrame* call_frame);
 
 #ifdef JAXFUSE_FFI_RECORD
 // Registering the CUDA bundle with its record stage (ffi/record_registration.cc): the probe
-// target's raw handler, and the registration under `name` through the API the probe received
-// ("" on success, else why not).
+// target's raw handler, and the registration under `name` through the API the probe received.
 extern "C" XLA_FFI_Error* kFfiApiProbeCuda(XLA_FFI_CallFrame* call_frame);
-const char* RegisterCudaRecordBundle(const char* name);
+enum class RecordRegistration { kDone, kNoApiYet, kRefused };
+// `*why` says why not, unless kDone.
+RecordRegistration RegisterCudaRecordBundle(const char* name, const char** why);
 #endif
 
 // The GPU handlers' per-call state type (see ffi/plan_state.h): the type id it is registered

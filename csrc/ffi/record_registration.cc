@@ -49,15 +49,19 @@ extern "C" XLA_FFI_Error* kFfiApiProbeCuda(XLA_FFI_CallFrame* call_frame) {
   return kProbeBody(call_frame);
 }
 
-const char* RegisterCudaRecordBundle(const char* name) {
-  static thread_local std::string why;
+RecordRegistration RegisterCudaRecordBundle(const char* name, const char** why_not) {
+  static thread_local std::string why;  // (read by the caller on this thread, at once)
   const XLA_FFI_Api* api = cuda_api.load();
-  if (api == nullptr) return "the CUDA plugin has not registered the probe target yet";
+  if (api == nullptr) {
+    *why_not = "the CUDA plugin has not registered the probe target yet";
+    return RecordRegistration::kNoApiYet;
+  }
   if (!Compatible(api)) {
     why = "the CUDA plugin's FFI API is " + std::to_string(api->api_version.major_version) +
           "." + std::to_string(api->api_version.minor_version) + ", this build's " +
           std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-    return why.c_str();
+    *why_not = why.c_str();
+    return RecordRegistration::kRefused;
   }
   XLA_FFI_Handler_Register_Args args{};
   args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
@@ -67,7 +71,7 @@ const char* RegisterCudaRecordBundle(const char* name) {
                  kFusedChainCudaRecord};
   args.traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
   XLA_FFI_Error* error = api->XLA_FFI_Handler_Register(&args);
-  if (error == nullptr) return "";
+  if (error == nullptr) return RecordRegistration::kDone;
   XLA_FFI_Error_GetDetails_Args details{};
   details.struct_size = XLA_FFI_Error_GetDetails_Args_STRUCT_SIZE;
   details.error = error;
@@ -77,7 +81,8 @@ const char* RegisterCudaRecordBundle(const char* name) {
   destroy.struct_size = XLA_FFI_Error_Destroy_Args_STRUCT_SIZE;
   destroy.error = error;
   api->XLA_FFI_Error_Destroy(&destroy);
-  return why.c_str();
+  *why_not = why.c_str();
+  return RecordRegistration::kRefused;
 }
 
 }  // namespace jaxfuse

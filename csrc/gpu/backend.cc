@@ -201,15 +201,19 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
   return kernel;
 }
 
+bool EntryApplies(const LoadedKernel& kernel, size_t i, const FusedParams& params) {
+  const auto& entries = kernel.generated.entries;
+  if (i + 1 >= entries.size()) return i + 1 == entries.size();  // the last runs on any
+  const int a = entries[i].alignment;
+  return Aligned(params.x, a) && Aligned(params.y, a) &&
+         (params.w == nullptr || Aligned(params.w, a)) &&
+         (params.side == nullptr || Aligned(params.side, a));
+}
+
 size_t EntryFor(const LoadedKernel& kernel, const FusedParams& params) {
   const auto& entries = kernel.generated.entries;
   for (size_t i = 0; i + 1 < entries.size(); ++i) {
-    const int a = entries[i].alignment;
-    if (Aligned(params.x, a) && Aligned(params.y, a) &&
-        (params.w == nullptr || Aligned(params.w, a)) &&
-        (params.side == nullptr || Aligned(params.side, a))) {
-      return i;
-    }
+    if (EntryApplies(kernel, i, params)) return i;
   }
   return entries.size() - 1;
 }

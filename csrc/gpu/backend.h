@@ -41,6 +41,8 @@ std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec&
 
 // The fastest of the kernel's entry points that the buffers' alignment allows.
 size_t EntryFor(const LoadedKernel& kernel, const FusedParams& params);
+// Whether entry `i` of `kernel` can run on these buffers (their alignment).
+bool EntryApplies(const LoadedKernel& kernel, size_t i, const FusedParams& params);
 
 // Launches the kernel on `stream` through EntryFor's entry point. A plan with an empty output
 // launches nothing.

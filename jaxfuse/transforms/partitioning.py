@@ -47,6 +47,8 @@ LoweringRule = Callable[..., Sequence[Any]]
 def _ffi_call(signature: PlanSignature, *operands: Any) -> jax.Array:
     """The fused kernel on operands of `signature`'s shapes (one shard, or the whole array)."""
     result = jax.ShapeDtypeStruct(signature.output_shape, signature.dtype)
+    # (The plain target: sharded programs are not given the record stage's registration,
+    # which would tie their lowering to this process's CUDA backend.)
     return jax.ffi.ffi_call(FFI_TARGET, result)(*operands, plan=signature.encode())
 
 
