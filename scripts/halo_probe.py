@@ -12,14 +12,11 @@ offset 0 and with (start address >> 7) & 7, against a CPU reference.
     python scripts/halo_probe.py      # needs nvcc and an sm_90 GPU
 """
 
-import os
-import subprocess
 import sys
-import tempfile
+
+from nvcc_probe import build_and_run
 
 from jaxfuse._extension import extension
-
-KERNELS = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
 
 PROBE = r"""
 #include <cstdio>
@@ -105,19 +102,7 @@ def main() -> int:
     status = 0
     for n in (64, 256):
         src = PROBE.replace("__N__", str(n)).replace("__WGMMA__", ext.wgmma_function(n, 1, False))
-        with tempfile.TemporaryDirectory() as tmp:
-            cu, exe = os.path.join(tmp, "probe.cu"), os.path.join(tmp, "probe")
-            with open(cu, "w") as f:
-                f.write(src)
-            build = subprocess.run(
-                ["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", KERNELS,
-                 "-o", exe, cu], capture_output=True, text=True)
-            if build.returncode:
-                print(build.stderr[-3000:])
-                return 1
-            run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
-            print(run.stdout, run.stderr, end="")
-            status |= run.returncode
+        status |= build_and_run(src)
     return status
 
 

@@ -5,14 +5,11 @@ them out, for every descriptor convention in question, against a CPU reference.
     python scripts/wgmma_probe.py      # needs nvcc and an sm_90 GPU
 """
 
-import os
-import subprocess
 import sys
-import tempfile
+
+from nvcc_probe import build_and_run
 
 from jaxfuse._extension import extension
-
-KERNELS = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
 
 PROBE = r"""
 #include <cstdio>
@@ -110,19 +107,7 @@ def main() -> int:
                 src = src.replace('{"MN-major B, LBO=1024 SBO=n-block", 1, 1024, 8192, 2048},', "")
             else:
                 src = src.replace('{"K-major B", 0, 16, 1024, 32},', "")
-            with tempfile.TemporaryDirectory() as tmp:
-                cu, exe = os.path.join(tmp, "probe.cu"), os.path.join(tmp, "probe")
-                with open(cu, "w") as f:
-                    f.write(src)
-                build = subprocess.run(
-                    ["nvcc", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-I", KERNELS,
-                     "-o", exe, cu], capture_output=True, text=True)
-                if build.returncode:
-                    print(build.stderr[-3000:])
-                    return 1
-                run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
-                print(run.stdout, run.stderr, end="")
-                status |= run.returncode
+            status |= build_and_run(src)
     return status
 
 
