@@ -109,7 +109,6 @@ JF_MULTIVERSION void ApplyStages(const Block& b, const EpilogueStage* stages, in
   }
 }
 
-
 template <DType D>
 JF_ALWAYS_INLINE float LoadElement(const void* base, int64_t i) {
   if constexpr (D == DType::kF32) return static_cast<const float*>(base)[i];

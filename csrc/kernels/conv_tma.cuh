@@ -483,6 +483,22 @@ JF_DEVICE void store_rows(const Epilogue& ep, const float (&acc)[kBN / 2], float
   store_slices<0>(ep, acc, staging, terms, side, 1 + consumer, thread, rows, n0, group, y);
 }
 
+// A consumer's accumulators: zeroed before a tile's first multiply, and held in place across
+// the asynchronous multiplies until they have completed (wgmma::fence_operand).
+JF_DEVICE void clear(float (&acc)[kRowBlocks][kBN / 2]) {
+#pragma unroll
+  for (int b = 0; b < kRowBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
+}
+
+JF_DEVICE void fence_operands(float (&acc)[kRowBlocks][kBN / 2]) {
+#pragma unroll
+  for (int b = 0; b < kRowBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[b][i]);
+}
+
 // kHalo's consumer warpgroup: tiles j = consumer, consumer + 2, ... of this block, each in its
 // own stage (j % kStages == consumer): every tap's four k-steps multiply the tap's resident
 // filters by a view of the tile's box; the stage is free once they are done.
@@ -499,10 +515,7 @@ JF_DEVICE void consume_halo(const TmaParams& args, const Ring& ring, float* stag
     const int s = static_cast<int>(j % kStages);
     const HaloOrigin origin = halo_origin(tile);
     float acc[kRowBlocks][kBN / 2];
-#pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
+    clear(acc);
     tma::wait(ring.full_bar(s), static_cast<u32>(j / kStages) & 1);
     wgmma::fence();
 #pragma unroll
@@ -518,10 +531,7 @@ JF_DEVICE void consume_halo(const TmaParams& args, const Ring& ring, float* stag
     }
     wgmma::commit();
     wgmma::wait<0>();
-#pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[b][i]);
+    fence_operands(acc);
     tma::arrive(ring.empty_bar(s));
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b) {
@@ -551,10 +561,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
     if (kPingPong) it = static_cast<u32>(j * kKTiles);  // its tile's first ring position
     const auto [m0, n0, group] = tile_coords<kBM, kBN>(tile);
     float acc[kRowBlocks][kBN / 2];
-#pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) acc[b][i] = 0.0f;
+    clear(acc);
     // New channels' epilogue parameters, loaded now: their latency overlaps the multiply
     // instead of following it (at batch 1 a block has one tile, and that was its last wait).
     const i64 first_channel = group * KG + n0;
@@ -580,10 +587,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
     // their own turn wait (a single arrival let it run two phases ahead of a lagging warp).
     if (kPingPong) tma::arrive(ring.turn_bar(1 - consumer));
     wgmma::wait<0>();
-#pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < kBN / 2; ++i) wgmma::fence_operand(acc[b][i]);
+    fence_operands(acc);
     tma::arrive(ring.empty_bar(previous));
 #pragma unroll
     for (int b = 0; b < kRowBlocks; ++b) {
