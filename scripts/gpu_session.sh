@@ -115,7 +115,8 @@ if has layers; then
       ${LAYER_MATCH:+--layers "$LAYER_MATCH"} --repeats 10 --json "$OUT/layers$tag.json" \
       --plot "$OUT/layers$tag.png" --no-progress > "$OUT/layers$tag.log" 2>&1
     echo "bench${tag} exit $? in $(( $(date +%s) - start )) s"
-    grep -E "^geomean" "$OUT/layers$tag.log"
+    # (the table itself: the logs go back only inside logs.tgz)
+    grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers$tag.log" | tail -60
   done
 fi
 if has models; then
