@@ -14,20 +14,11 @@ offset 0 and with (start address >> 7) & 7, against a CPU reference.
 
 import sys
 
-from nvcc_probe import build_and_run
+from nvcc_probe import PRELUDE, build_and_run
 
 from jaxfuse._extension import extension
 
-PROBE = r"""
-#include <cstdio>
-#include <cstdlib>
-#include <cmath>
-#include <cuda_fp16.h>
-#include "portable.h"
-#include "mma.h"
-#include "wgmma.h"
-__WGMMA__
-using namespace jaxfuse;
+PROBE = PRELUDE + r"""
 constexpr int NN = __N__;
 constexpr int kBoxRows = 34 * (NN / 8) + 16;
 __global__ void probe(const u16* a, const u16* box, float* d, int shift, int group,
@@ -67,14 +58,8 @@ int main() {
   cudaMallocManaged(&d, 64 * NN * 4);
   float *fa = (float*)malloc(64 * 64 * 4), *fb = (float*)malloc(kBoxRows * 64 * 4);
   srand(1);
-  for (int i = 0; i < 64 * 64; ++i) {
-    fa[i] = (rand() % 17 - 8) / 8.f;
-    a[i] = __half_as_ushort(__float2half(fa[i]));
-  }
-  for (int i = 0; i < kBoxRows * 64; ++i) {
-    fb[i] = (rand() % 17 - 8) / 8.f;
-    box[i] = __half_as_ushort(__float2half(fb[i]));
-  }
+  random_halves(a, fa, 64 * 64);
+  random_halves(box, fb, kBoxRows * 64);
   cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   const int groups[] = {8, 10, 16, 34};
   const int shifts[] = {0, 1, 2, 3, 7, 10, 11};

@@ -8,6 +8,27 @@ import tempfile
 
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
 
+# How every probe source starts: the kernels' headers, the generated wgmma wrapper (the caller
+# replaces __WGMMA__), and a host helper that fills an fp16 operand with small values fp16
+# holds exactly, beside their floats for the CPU reference.
+PRELUDE = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <cuda_fp16.h>
+#include "portable.h"
+#include "mma.h"
+#include "wgmma.h"
+__WGMMA__
+using namespace jaxfuse;
+static void random_halves(u16* dst, float* ref, int count) {
+  for (int i = 0; i < count; ++i) {
+    ref[i] = (rand() % 17 - 8) / 8.f;
+    dst[i] = __half_as_ushort(__float2half(ref[i]));
+  }
+}
+"""
+
 
 def build_and_run(source: str) -> int:
     """Compiles `source`, runs it, prints its output; the exit status (1 if it did not build)."""

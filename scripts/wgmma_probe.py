@@ -7,20 +7,11 @@ them out, for every descriptor convention in question, against a CPU reference.
 
 import sys
 
-from nvcc_probe import build_and_run
+from nvcc_probe import PRELUDE, build_and_run
 
 from jaxfuse._extension import extension
 
-PROBE = r"""
-#include <cstdio>
-#include <cstdlib>
-#include <cmath>
-#include <cuda_fp16.h>
-#include "portable.h"
-#include "mma.h"
-#include "wgmma.h"
-__WGMMA__
-using namespace jaxfuse;
+PROBE = PRELUDE + r"""
 constexpr int NN = __N__;
 // A: 64 x 64 (m, k) K-major; B: K-major [n][k] or MN-major [k][n]; both 128-byte swizzled.
 __global__ void probe(const u16* a, const u16* b, float* d, int mn_major, u32 lbo, u32 sbo,
@@ -65,14 +56,8 @@ int main() {
   cudaMallocManaged(&d, 64 * nn * 4);
   float *fa = (float*)malloc(64 * 64 * 4), *fb = (float*)malloc(nn * 64 * 4);
   srand(1);
-  for (int i = 0; i < 64 * 64; ++i) {
-    fa[i] = (rand() % 17 - 8) / 8.f;
-    a[i] = __half_as_ushort(__float2half(fa[i]));
-  }
-  for (int i = 0; i < nn * 64; ++i) {
-    fb[i] = (rand() % 17 - 8) / 8.f;
-    b[i] = __half_as_ushort(__float2half(fb[i]));
-  }
+  random_halves(a, fa, 64 * 64);
+  random_halves(b, fb, nn * 64);
   cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024);
   struct { const char* name; int mn; unsigned lbo, sbo, kstep; } variants[] = {
     {"K-major B", 0, 16, 1024, 32},
