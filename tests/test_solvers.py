@@ -495,3 +495,26 @@ def test_quiet_runs_set_aside_runs_that_took_page_faults() -> None:
     assert quiet_runs(seconds[:2], faults[:2]) == seconds[:2]
     # No fault counts (platforms that cannot tell): the times as they are.
     assert quiet_runs(seconds, []) == seconds
+
+
+def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
+    """A chain whose fused kernel had the shorter candidate time (its launches cheaper) but
+    the longer device time, kept XLA's in a device-bound program: the summary gives both parts,
+    not the larger alone (which read as XLA chosen although slower: H100, 2026-11-26)."""
+    from jaxfuse.rewrite.report import FusedGroup, FusionReport
+
+    def group(**measured):
+        return FusedGroup(("conv", "batch norm", "relu"), "CNA", "sig", "Net/Conv_0", "", None,
+                          "xla", **measured)
+
+    gpu = group(times_us=(("fused", 21.2), ("xla", 33.3)),
+                device_us=(("fused", 21.2), ("xla", 19.0)),
+                host_us=(("fused", 4.1), ("xla", 33.3)))
+    cpu = group(times_us=(("fused", 30.0), ("xla", 25.0)))
+    forced = group()
+    jaxpr = jax.make_jaxpr(lambda x: x)(1.0)
+    lines = FusionReport((), (), jaxpr, to_xla=(gpu, cpu, forced)).summary().splitlines()
+    assert lines[1].endswith("XLA chosen by measurement (device 19.0 us vs 21.2 us fused; "
+                             "launch work 33.3 us vs 4.1 us)"), lines
+    assert lines[2].endswith("XLA chosen by measurement (25.0 us vs 30.0 us fused)"), lines
+    assert lines[3].endswith(": XLA chosen"), lines

@@ -42,6 +42,10 @@ class FusedGroup:
       times_us: measured microseconds per run, by candidate (``"fused"``, ``"xla"``); empty
         when the solver was forced rather than measured.
       compile_s: wall seconds compiling its plan took, by step (``kernel_info["compile_s"]``).
+      device_us, host_us: the two parts of `times_us` on GPUs, by candidate: the kernels' time
+        and the host's launch work (empty on CPUs). A program's choice weighs their sums: a
+        device-bound network keeps a chain XLA's where XLA's kernels are faster although its
+        launches are longer (:mod:`jaxfuse.rewrite.choice`).
     """
 
     ops: tuple[str, ...]
@@ -53,6 +57,8 @@ class FusedGroup:
     solver: str = ""
     times_us: tuple[tuple[str, float], ...] = ()
     compile_s: tuple[tuple[str, float], ...] = ()
+    device_us: tuple[tuple[str, float], ...] = ()
+    host_us: tuple[tuple[str, float], ...] = ()
 
     @property
     def saved_us(self) -> float | None:
@@ -120,11 +126,7 @@ class FusionReport:
             lines.append(f"  {len(groups):4d} x {chain:<48} {solver:<14}"
                          f"{_saved(g.saved_us for g in groups)}")
         for g in self.to_xla:
-            times = dict(g.times_us)
-            why = (f"XLA chosen by measurement ({times['xla']:.1f} us vs "
-                   f"{times['fused']:.1f} us fused)"
-                   if "fused" in times and "xla" in times else "XLA chosen")
-            lines.append(f"  xla   {g.plan} at {g.where}: {why}")
+            lines.append(f"  xla   {g.plan} at {g.where}: {_why_xla(g)}")
         for s in self.left_alone:
             lines.append(f"  left  {s.op} at {s.where}: {s.reason}")
         if self.converts_batched:
@@ -206,7 +208,24 @@ def _describe_group(scope: str, group: Group, solver: str) -> FusedGroup:
     return FusedGroup(tuple(ops), group.letters, plan.signature.describe(),
                       _where(group.conv.eqn), scope, group.stop, solver,
                       tuple(info.get("candidates_us", {}).items()),
-                      tuple(info.get("compile_s", {}).items()))
+                      tuple(info.get("compile_s", {}).items()),
+                      tuple(info.get("candidates_device_us", {}).items()),
+                      tuple(info.get("candidates_host_us", {}).items()))
+
+
+def _why_xla(group: FusedGroup) -> str:
+    """Why a chain stayed XLA's, in the measurements that decided it: on GPUs the kernels' and
+    the launches' microseconds apart (the larger of the two alone can favour the fused kernel
+    where XLA's kernels are faster)."""
+    both = ("xla", "fused")
+    times, device, host = dict(group.times_us), dict(group.device_us), dict(group.host_us)
+    if all(k in device and k in host for k in both):
+        return (f"XLA chosen by measurement (device {device['xla']:.1f} us vs "
+                f"{device['fused']:.1f} us fused; launch work {host['xla']:.1f} us vs "
+                f"{host['fused']:.1f} us)")
+    if all(k in times for k in both):
+        return f"XLA chosen by measurement ({times['xla']:.1f} us vs {times['fused']:.1f} us fused)"
+    return "XLA chosen"
 
 
 def _saved(values: Any) -> str:
