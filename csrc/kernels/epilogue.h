@@ -76,8 +76,10 @@ JF_HD float min_nan(float x, float y) {
   return r;
 }
 #else
-JF_HD float max_nan(float x, float y) { return x != x || y != y ? x + y : (x < y ? y : x); }
-JF_HD float min_nan(float x, float y) { return x != x || y != y ? x + y : (y < x ? y : x); }
+// (x NaN: both comparisons are false and x comes back.) With a constant y these are the forms
+// compilers turn into one vector max / min on CPUs (maxps(0, x) keeps a NaN x).
+JF_HD float max_nan(float x, float y) { return x < y || y != y ? y : x; }
+JF_HD float min_nan(float x, float y) { return x > y || y != y ? y : x; }
 #endif
 
 template <int Mode>
