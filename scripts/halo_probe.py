@@ -46,11 +46,7 @@ __global__ void probe(const u16* a, const u16* box, float* d, int shift, int gro
   }
   wgmma::commit();
   wgmma::wait<0>();
-  const int t = threadIdx.x, w = t / 32, l = t % 32;
-  for (int i = 0; i < NN / 2; ++i) {
-    const int row = 16 * w + l / 4 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (l % 4) + i % 2;
-    d[row * NN + col] = acc[i];
-  }
+  store_accumulators<NN>(acc, d);
 }
 int main() {
   u16 *a, *box; float* d;

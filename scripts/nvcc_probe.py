@@ -9,8 +9,8 @@ import tempfile
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "csrc", "kernels")
 
 # How every probe source starts: the kernels' headers, the generated wgmma wrapper (the caller
-# replaces __WGMMA__), and a host helper that fills an fp16 operand with small values fp16
-# holds exactly, beside their floats for the CPU reference.
+# replaces __WGMMA__), the accumulators' store, and a host helper that fills an fp16 operand
+# with small values fp16 holds exactly, beside their floats for the CPU reference.
 PRELUDE = r"""
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +21,15 @@ PRELUDE = r"""
 #include "wgmma.h"
 __WGMMA__
 using namespace jaxfuse;
+// A warpgroup's 64 x kN fp32 accumulators (wgmma's register layout) into row-major d.
+template <int kN>
+__device__ void store_accumulators(const float* acc, float* d) {
+  const int t = threadIdx.x, w = t / 32, l = t % 32;
+  for (int i = 0; i < kN / 2; ++i) {
+    const int row = 16 * w + l / 4 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (l % 4) + i % 2;
+    d[row * kN + col] = acc[i];
+  }
+}
 static void random_halves(u16* dst, float* ref, int count) {
   for (int i = 0; i < count; ++i) {
     ref[i] = (rand() % 17 - 8) / 8.f;
