@@ -439,6 +439,37 @@ def test_the_walking_depthwise_kernel_is_correct(tmp_path, walk: str) -> None:
     _run_ok_child(_WALK_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=f"conv_depthwise {walk}")
 
 
+# On sm_90 the tiled depthwise kernel copies its windows with the copy engine (the default
+# tests run it); the cp.async form stays a candidate autotuning may keep: forced here, on the
+# edge geometries (negative and uneven padding, dilation, strides) and the walking cases' shapes.
+_CP_ASYNC_CHILD = textwrap.dedent("""
+    import dataclasses
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import DEPTHWISE_CASES, WALKING_DEPTHWISE_CASES, run_forced_cases
+    gpu = jax.devices("gpu")[0]
+    if getattr(gpu, "compute_capability", "") != "9.0":  # (no twin elsewhere)
+        print("ok")
+        sys.exit(0)
+    cases = [dataclasses.replace(c, dtype=d) for c in DEPTHWISE_CASES
+             for d in ("bfloat16", "float32")] + WALKING_DEPTHWISE_CASES
+    twins = []
+    for case in cases:
+        plan, _ = case.build()
+        plan.compile(gpu, solver="fused")
+        if plan.kernel_info["tile"].endswith("cp.async"):
+            twins.append(case)
+    assert len(twins) >= 8, len(twins)
+    run_forced_cases(twins, gpu, lambda info: info["tile"].endswith("cp.async"))
+    print("ok")
+""")
+
+
+def test_the_cp_async_depthwise_twin_is_correct(tmp_path) -> None:
+    _run_ok_child(_CP_ASYNC_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_depthwise cp.async")
+
+
 # conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the
 # first of them forced (256 pixels a tile): partial tiles, stride, dilation, groups, 1x1, a
 # side input, per-activation batch norm, both 16-bit dtypes, and infinities in the input.

@@ -837,22 +837,45 @@ struct DepthwiseTile {
   int cs = 0, bh = 1, bw = 1, th = 1, tw = 1, fill = 4, threads = 0;
   int walk = 1;  // tiles a CTA computes in turn (two windows in shared memory when > 1)
   bool large_filter = false;  // more than 5x5 taps
+  // Windows copied by the bulk tensor copy engine (sm_90): one thread issues a tile's whole
+  // window, padding zero-filled by the copy, where cp.async takes every thread through
+  // per-chunk address arithmetic before the first byte is asked for.
+  bool tma = false;
+  bool twin = false;  // cp.async beside copy-engine tilings (sm_90): named so it can be forced
   int64_t window = 0, smem = 0, tiles = 0, ctas = 0;
+  int64_t rs = 0;            // filter taps
+  int64_t box_rows = 0, box_cols = 0;  // the window's input rows and columns
   double seconds = 0;  // the cost model's estimate
   // Resident CTAs ptxas must allow: registers capped at 128 a thread (2048 threads / 16
   // warps), except for large filters, whose taps alone take most of that.
   int MinBlocks() const { return large_filter ? 1 : std::max(1, 16 / ((threads + 31) / 32)); }
   std::string Name() const {
     return std::to_string(th) + "x" + std::to_string(tw) + "x" + std::to_string(cs) + " b" +
-           std::to_string(bh) + "x" + std::to_string(bw) +
-           (walk > 1 ? " walk" + std::to_string(walk) : "");
+           std::to_string(bh) + "x" + std::to_string(bw) + (tma ? " tma" : "") +
+           (twin ? " cp.async" : "") + (walk > 1 ? " walk" + std::to_string(walk) : "");
+  }
+  // Dynamic shared memory as conv_depthwise.cuh lays it out: the windows (each 128-byte
+  // aligned for the copy engine, from a base the kernel aligns), the taps (fp32), the 20-byte
+  // epilogue terms per channel, and with the copy engine a barrier per window.
+  int64_t SmemBytes() const {
+    const int64_t windows = walk > 1 ? 2 : 1;
+    if (!tma) return windows * window + (rs * 4 + 20) * cs;
+    const int64_t pitch = (window + 127) / 128 * 128;
+    return 128 + (windows * pitch + (rs * 4 + 20) * cs + 7) / 8 * 8 + 8 * windows;
   }
   // The same tiling, each CTA walking `tiles_a_cta` tiles of its slice.
   DepthwiseTile Walking(int tiles_a_cta, int64_t slices) const {
     DepthwiseTile t = *this;
     t.walk = tiles_a_cta;
-    t.smem = smem + window;
+    t.smem = t.SmemBytes();
     t.ctas = slices * ((tiles + tiles_a_cta - 1) / tiles_a_cta);
+    return t;
+  }
+  // The same tiling, its windows copied by the copy engine.
+  DepthwiseTile Bulk() const {
+    DepthwiseTile t = *this;
+    t.tma = true;
+    t.smem = t.SmemBytes();
     return t;
   }
 };
@@ -954,7 +977,8 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
             t.threads = cs / ch * nbh * nbw;
             // The input window, then the taps (fp32) and the 20-byte epilogue terms per channel.
             t.window = tile_rows * tile_cols * cs * elem;
-            t.smem = t.window + (rs * 4 + 20) * cs;
+            t.rs = rs, t.box_rows = tile_rows, t.box_cols = tile_cols;
+            t.smem = t.SmemBytes();
             t.fill = (int64_t{cs} * elem) % 16 == 0 && (c * elem) % 16 == 0 ? 16 : 4;
             t.tiles = tiles;
             t.ctas = (c / cs) * tiles;
@@ -1042,7 +1066,47 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
       if (t.smem <= smem_limit && t.window % 16 == 0 && t.ctas >= 2 * sms) all.push_back(t);
     }
   }
+  // On sm_90 every tiling copies its windows with the copy engine where a box can (16-byte
+  // rows of channels, at most 256 rows and columns), and the best one is timed with cp.async
+  // too, so autotuning keeps the older copy wherever it is faster.
+  if (!device.hip && device.arch == "sm_90" && !all.empty()) {
+    const DepthwiseTile best = all[0];
+    size_t bulk = 0;
+    for (DepthwiseTile& t : all) {
+      const DepthwiseTile b = t.Bulk();
+      if (t.fill == 16 && t.box_rows <= 256 && t.box_cols <= 256 && b.smem <= smem_limit &&
+          n < (int64_t{1} << 31)) {
+        t = b;
+        ++bulk;
+      }
+    }
+    if (bulk > 0 && all[0].tma) {
+      all.push_back(best);
+      all.back().twin = true;
+    }
+  }
   return all;
+}
+
+// The copy engine's map of a depthwise plan's input for `t`'s windows: NHWC as a 4-D tensor
+// (C, W, H, N), a box of the slice's channels x the window's columns x its rows x one image,
+// unswizzled (the kernel reads the window pixel-major, as cp.async lays it out).
+TensorMapSpec DepthwiseMap(const PlanSpec& spec, const DepthwiseTile& t) {
+  const uint64_t elem = dtype_size(spec.dtype);
+  TensorMapSpec x;
+  x.data_type = TensorMapDataType(spec.dtype);
+  x.rank = 4;
+  x.swizzle = 0;
+  const uint64_t dims[4] = {uint64_t(spec.c), uint64_t(spec.w), uint64_t(spec.h), uint64_t(spec.n)};
+  std::copy(dims, dims + 4, x.dims);
+  x.strides[0] = spec.c * elem;
+  x.strides[1] = spec.w * spec.c * elem;
+  x.strides[2] = spec.h * spec.w * spec.c * elem;
+  x.box[0] = static_cast<uint32_t>(t.cs);
+  x.box[1] = static_cast<uint32_t>(t.box_cols);
+  x.box[2] = static_cast<uint32_t>(t.box_rows);
+  x.box[3] = 1;
+  return x;
 }
 
 // The vector kernel: 16 bytes of channels a thread, any filter size.
@@ -1063,6 +1127,7 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
     << ", kMinBlocks = " << t.MinBlocks() << ";\n"
     << "constexpr int kSmemBytes = " << t.smem << ";\n"
     << "}  // namespace plan\n}  // namespace jaxfuse\n#define JF_DEPTHWISE_TILED 1\n"
+    << (t.tma ? "#define JF_DEPTHWISE_TMA 1\n" : "")
     << "namespace jaxfuse {\nnamespace plan {\n";
   return s.str();
 }
@@ -1334,9 +1399,11 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       out.tile = tile.Name();
       out.source = TranslationUnit(spec, DepthwiseConstants(tile),
                                    {"conv_depthwise.cuh", "conv_direct.cuh"});
-      out.entries.push_back({"jaxfuse_conv_depthwise", static_cast<unsigned>(tile.ctas),
-                             static_cast<unsigned>(tile.threads),
-                             static_cast<unsigned>(tile.smem), tile.fill});
+      EntryPoint entry{"jaxfuse_conv_depthwise", static_cast<unsigned>(tile.ctas),
+                       static_cast<unsigned>(tile.threads), static_cast<unsigned>(tile.smem),
+                       tile.fill};
+      if (tile.tma) entry.tensor_maps = {DepthwiseMap(spec, tile)};
+      out.entries.push_back(entry);
       out.entries.push_back(direct);
       return out;
     }

@@ -33,6 +33,7 @@ struct TensorMapSpec {
   uint32_t element_strides[5] = {1, 1, 1, 1, 1};
   int lower[2] = {}, upper[2] = {};  // im2col: the bounding box of window corners (W, H)
   uint32_t channels = 0, pixels = 0;  // im2col: channels per pixel, pixels per copy
+  int swizzle = 3;  // CUtensorMapSwizzle: 3 = 128-byte (the tensor-core tiles), 0 = none
 };
 
 // One kernel entry point of the compiled module and how to launch it.

@@ -629,17 +629,17 @@ void Driver::EncodeTensorMap(const TensorMapSpec& spec, const void* address,
   if (api_->encode_tiled == nullptr || api_->encode_im2col == nullptr) {
     throw std::runtime_error("jaxfuse: this driver cannot encode tensor maps (CUDA 12+ needed)");
   }
-  // Interleave none, 128-byte swizzle, 128-byte L2 promotion, zeros outside the tensor.
-  constexpr int kInterleaveNone = 0, kSwizzle128 = 3, kL2Promote128 = 2, kFillZeros = 0;
+  // Interleave none, the spec's swizzle, 128-byte L2 promotion, zeros outside the tensor.
+  constexpr int kInterleaveNone = 0, kL2Promote128 = 2, kFillZeros = 0;
   void* global = const_cast<void*>(address);
   const int status =
       spec.im2col
           ? api_->encode_im2col(map, spec.data_type, spec.rank, global, spec.dims, spec.strides,
                                 spec.lower, spec.upper, spec.channels, spec.pixels,
-                                spec.element_strides, kInterleaveNone, kSwizzle128,
+                                spec.element_strides, kInterleaveNone, spec.swizzle,
                                 kL2Promote128, kFillZeros)
           : api_->encode_tiled(map, spec.data_type, spec.rank, global, spec.dims, spec.strides,
-                               spec.box, spec.element_strides, kInterleaveNone, kSwizzle128,
+                               spec.box, spec.element_strides, kInterleaveNone, spec.swizzle,
                                kL2Promote128, kFillZeros);
   Check(status, spec.im2col    ? "encoding the input's im2col tensor map"
                 : spec.filters ? "encoding the filters' tensor map"
@@ -650,6 +650,7 @@ namespace {
 
 bool SameMap(const TensorMapSpec& a, const TensorMapSpec& b) {
   return a.filters == b.filters && a.im2col == b.im2col && a.data_type == b.data_type &&
+         a.swizzle == b.swizzle &&
          a.rank == b.rank && a.channels == b.channels && a.pixels == b.pixels &&
          std::equal(a.dims, a.dims + 5, b.dims) && std::equal(a.strides, a.strides + 4, b.strides) &&
          std::equal(a.box, a.box + 5, b.box) &&

@@ -17,6 +17,11 @@
 // product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
 // NaN would leak across channels where the convolution has none.
 //
+// Copy engine (JF_DEPTHWISE_TMA, sm_90): one thread asks for a tile's whole window as a box
+// of the input's tensor map (channels x columns x rows of one image, zeros outside the image)
+// completing on a shared-memory barrier; the other threads go straight to the tables. The
+// window's layout is the one cp.async builds.
+//
 // Walking (kWalk > 1): a CTA computes kWalk consecutive tiles of its slice (the next images'
 // tiles, for small images) with two windows in shared memory: the next tile's window is copied
 // while this one's outputs are computed, and the tables are built once for all of them. Small
@@ -28,6 +33,10 @@
 // output pixel for 16 bytes of channels, reading input and filter taps as 16-byte vectors
 // through L1. Needs C % (16 / sizeof(T)) == 0 and 16-byte aligned buffers.
 #pragma once
+
+#ifdef JF_DEPTHWISE_TMA
+#include "tma.h"
+#endif
 
 namespace jaxfuse {
 namespace depthwise {
@@ -88,13 +97,22 @@ static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "alig
 static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");
 static_assert(kThreads == kThreadsC * kBlocksH * kBlocksW, "one thread per (word, block)");
 // Shared memory: the tile's input window (two when walking), then the slice's taps (fp32,
-// tap-major) and per-channel epilogue terms, tabulated once a CTA.
+// tap-major) and per-channel epilogue terms, tabulated once a CTA; with the copy engine, from
+// a 128-byte aligned base, windows 128-byte aligned, and a barrier per window last.
+#ifdef JF_DEPTHWISE_TMA
+constexpr bool kTma = true;
+#else
+constexpr bool kTma = false;
+#endif
 constexpr int kWindowBytes = kTileRows * kTileCols * kCS * static_cast<int>(sizeof(T));
-constexpr int kTapsOffset = kWindows * kWindowBytes;
+constexpr int kWindowPitch = kTma ? (kWindowBytes + 127) / 128 * 128 : kWindowBytes;
+constexpr int kTapsOffset = kWindows * kWindowPitch;
 constexpr int kTermsOffset = kTapsOffset + R * S * kCS * 4;
-static_assert(kWindowBytes % 16 == 0 || kWindows == 1, "the second window 16-byte aligned");
+constexpr int kBarriersOffset = (kTermsOffset + kCS * 20 + 7) / 8 * 8;
+static_assert(kWindowPitch % 16 == 0 || kWindows == 1, "the second window 16-byte aligned");
 static_assert(sizeof(Epilogue::Channel) == 20, "the code generator sizes the table so");
-static_assert(kSmemBytes == kTermsOffset + kCS * 20, "shared memory: window, taps, terms");
+static_assert(kSmemBytes == (kTma ? 128 + kBarriersOffset + 8 * kWindows : kTermsOffset + kCS * 20),
+              "shared memory: windows, taps, terms (and barriers)");
 
 // The 32-bit shared-memory address of a generic pointer into shared memory.
 JF_DEVICE u32 shared_address(const void* p) {
@@ -242,19 +260,41 @@ JF_DEVICE TilePosition tile_position(TileIdx tile) {
 JF_DEVICE void fill_window(unsigned char* smem, const T* x, TileIdx tile, int channel0,
                            int buffer, int tid) {
   const TilePosition at = tile_position(tile);
-  fill_tile(smem + buffer * kWindowBytes, shared_address(smem) + buffer * kWindowBytes,
+  fill_tile(smem + buffer * kWindowPitch, shared_address(smem) + buffer * kWindowPitch,
             reinterpret_cast<const unsigned char*>(x + at.n * (H * W * C) + channel0),
             at.th * kTH * SH - PT, at.tw * kTW * SW - PL, tid);
 }
 
+#ifdef JF_DEPTHWISE_TMA
+// The same window as one box copy through the input's map (`map`), completing on window
+// `buffer`'s barrier; shared memory from the aligned base address `base`. One thread calls it.
+JF_DEVICE void fill_window_bulk(u32 base, const void* map, TileIdx tile, int channel0,
+                                int buffer) {
+  const TilePosition at = tile_position(tile);
+  const u32 bar = base + kBarriersOffset + 8 * buffer;
+  tma::arrive_expect_bytes(bar, kWindowBytes);  // (zero-filled bytes count too)
+  tma::load_box(base + buffer * kWindowPitch, map, channel0, at.tw * kTW * SW - PL,
+                at.th * kTH * SH - PT, static_cast<int>(at.n), bar);
+}
+#endif
+
 }  // namespace depthwise
 }  // namespace jaxfuse
 
+#ifdef JF_DEPTHWISE_TMA
+extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::plan::kMinBlocks)
+    jaxfuse_conv_depthwise(const __grid_constant__ jaxfuse::TmaParams args) {
+  const jaxfuse::FusedParams& p = args.p;
+#else
 extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::plan::kMinBlocks)
     jaxfuse_conv_depthwise(jaxfuse::FusedParams p) {
+#endif
   using namespace jaxfuse;
   using namespace jaxfuse::depthwise;
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // (The copy engine writes to 128-byte aligned addresses: the code generator left the slack.)
+  unsigned char* smem = kTma ? smem_raw + ((128u - (shared_address(smem_raw) & 127u)) & 127u)
+                             : smem_raw;
   const Epilogue ep(p);
   const T* x = static_cast<const T*>(p.x);
   const T* w = static_cast<const T*>(p.w);
@@ -274,12 +314,23 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
 
   // The first windows' copies go out before the tables are built, so the tables' loads wait
   // beside them rather than ahead of them.
+#ifdef JF_DEPTHWISE_TMA
+  (void)x;
+  const u32 base = shared_address(smem);
+  if (tid == 0) {
+    for (int b = 0; b < kWindows; ++b) tma::barrier_init(base + kBarriersOffset + 8 * b, 1);
+    tma::fence_barrier_init();
+    fill_window_bulk(base, &args.x, first_tile, slice * kCS, 0);
+    if (kWalk > 1 && count > 1) fill_window_bulk(base, &args.x, first_tile + 1, slice * kCS, 1);
+  }
+#else
   fill_window(smem, x, first_tile, slice * kCS, 0, tid);
   commit_copies();
   if (kWalk > 1) {
     if (count > 1) fill_window(smem, x, first_tile + 1, slice * kCS, 1, tid);
     commit_copies();
   }
+#endif
   // The slice's filter taps (fp32) and epilogue terms, tabulated in shared memory by its first
   // kCS threads, then read into registers by all: each thread needs its word's channels'.
   float* tap_table = reinterpret_cast<float*>(smem + kTapsOffset);
@@ -289,8 +340,13 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
     for (int t = 0; t < R * S; ++t) tap_table[t * kCS + i] = Io::load(w[t * C + slice * kCS + i]);
     term_table[i] = ep.channel(slice * kCS + i);
   }
+#ifdef JF_DEPTHWISE_TMA
+  __syncthreads();           // the tables are complete, the barriers initialized
+  tma::wait(base + kBarriersOffset, 0);  // the first window has landed
+#else
   wait_copies<kWindows - 1>();  // the first window has landed (the second may not have)
   __syncthreads();              // ... everyone's, and the tables are complete
+#endif
   float taps[R * S][kCh];
 #pragma unroll
   for (int t = 0; t < R * S; ++t)
@@ -316,7 +372,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
           for (int j = 0; j < kCh; ++j) acc[o][q][j] = 0.0f;
       // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
       // == i: each row is read and converted once.
-      const u32* window = reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowBytes) +
+      const u32* window = reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowPitch) +
                           ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
 #pragma unroll
       for (int i = 0; i < kInRows; ++i) {
@@ -360,10 +416,18 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
     }
     if (kWalk > 1 && step + 1 < count) {
       __syncthreads();  // everyone is done with this window: refill it with tile step + 2
+#ifdef JF_DEPTHWISE_TMA
+      if (tid == 0 && step + 2 < count) {
+        fill_window_bulk(base, &args.x, tile + 2, slice * kCS, step % 2);
+      }
+      // Tile step + 1's window has landed: its buffer's ((step + 1) / 2)-th fill.
+      tma::wait(base + kBarriersOffset + 8 * ((step + 1) % 2), ((step + 1) / 2) & 1);
+#else
       if (step + 2 < count) fill_window(smem, x, tile + 2, slice * kCS, step % 2, tid);
       commit_copies();
       wait_copies<1>();  // tile step + 1's window has landed
       __syncthreads();
+#endif
     }
   }
 }
