@@ -279,5 +279,6 @@ def _environment_key(device_kind: str, platform: str) -> str:
 
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     environment = _environment_key(device.device_kind, device.platform.lower())
-    # v3: launch work timed with earlier outputs alive (measure.Harness.run); v2's was low.
-    return f"jaxfuse-solver-v3|{environment}|{fused.label}|{signature.encode()}"
+    # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
+    # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
+    return f"jaxfuse-solver-v4|{environment}|{fused.label}|{signature.encode()}"

@@ -104,7 +104,14 @@ def main() -> int:
 
     copy = measure_ceilings(jax.devices(args.platform)[0], matmul_size=256).copy_bandwidth
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s", file=sys.stderr)
+    cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only,
+                                          args.kind)}
+    # Rows are printed as each child ends (a sweep cut short by a time cap keeps what it
+    # measured): the autotuned choice first, then each distinct variant.
+    print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "
+          f"{'% copy':>6} {'err':>8}", flush=True)
     rows: list[dict[str, Any]] = []
+    seen: set[tuple[str, Any, Any]] = set()
     cache = tempfile.mkdtemp(prefix="jaxfuse-sweep-")  # tuned choices made fresh in this run
     for variant in ["tuned", *map(str, range(args.variants))]:
         env = {**os.environ, "JAXFUSE_CACHE_DIR": cache, "JAXFUSE_SOLVER": "fused"}
@@ -127,30 +134,25 @@ def main() -> int:
             if done.returncode != 0:
                 print(f"variant {variant}: exit {done.returncode}\n{done.stderr[-2000:]}",
                       file=sys.stderr)
-        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-    cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only,
-                                          args.kind)}
-    print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "
-          f"{'% copy':>6} {'err':>8}")
-    for label, case in cases.items():
-        mine = [r for r in rows if r["case"] == label]
-        tuned = next((r for r in mine if r["variant"] == "tuned"), {})
-        seen = set()
-        for r in mine:
+        for r in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+            rows.append(r)
+            case = cases.get(r["case"])
+            if case is None:
+                continue
             if "error" in r:
-                print(f"{label:<44} {r['variant']:>7} ERROR {r['error']}")
+                print(f"{r['case']:<44} {r['variant']:>7} ERROR {r['error']}", flush=True)
                 continue
             if r["variant"] != "tuned":
-                if (r["solver"], r["tile"]) in seen:
+                if (r["case"], r["solver"], r["tile"]) in seen:
                     continue  # a clamped index repeats the last variant
-                seen.add((r["solver"], r["tile"]))
+                seen.add((r["case"], r["solver"], r["tile"]))
             nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
             gbs = nbytes / (r["us"] * 1e-6) / 1e9
             r.update(gbs=gbs, copy_fraction=gbs * 1e9 / copy)
-            xla = tuned.get("xla_us", float("nan")) if r["variant"] == "tuned" else float("nan")
-            print(f"{label:<44} {r['variant']:>7} {r['tile']!s:<18} {r['us']:8.1f} {xla:8.1f} "
-                  f"{gbs:7.0f} {100 * gbs * 1e9 / copy:6.1f} {r['rel_error_vs_xla']:8.1e}")
+            xla = r.get("xla_us", float("nan"))
+            print(f"{r['case']:<44} {r['variant']:>7} {r['tile']!s:<18} {r['us']:8.1f} "
+                  f"{xla:8.1f} {gbs:7.0f} {100 * gbs * 1e9 / copy:6.1f} "
+                  f"{r['rel_error_vs_xla']:8.1e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth": copy, "rows": rows}, f, indent=1)

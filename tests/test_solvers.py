@@ -497,6 +497,46 @@ def test_quiet_runs_set_aside_runs_that_took_page_faults() -> None:
     assert quiet_runs(seconds, []) == seconds
 
 
+class _FaultingProgram:
+    """A stand-in for a compiled timing program on a CPU: `slow` seconds a run, and every
+    run listed in `faulting` (1-based, the untimed first run included) also takes `fault_slow`
+    seconds and 3136 page faults, as a run writing a fresh 12.8 MB output does."""
+
+    def __init__(self, seconds: float, faulting: set[int], fault_seconds: float = 0.03):
+        self.seconds, self.faulting, self.fault_seconds = seconds, faulting, fault_seconds
+        self.runs, self.faults = 0, 0
+
+    def __call__(self, sets):
+        self.runs += 1
+        slow = self.runs in self.faulting
+        self.faults += 3136 if slow else 0
+        time.sleep(self.fault_seconds if slow else self.seconds)
+        return [jnp.zeros(4)], None
+
+
+def _screened(monkeypatch, program: _FaultingProgram, limit: float):
+    from jaxfuse import measure
+
+    monkeypatch.setattr(measure, "page_faults", lambda: program.faults)
+    harness = measure.Harness(program, [(jnp.zeros(4),)], "cpu")
+    return harness.run(limit)[1]
+
+
+def test_a_cpu_candidate_is_not_cut_short_on_runs_that_faulted(monkeypatch) -> None:
+    # Its screening runs alternate between faulting (30 ms) and quiet (2 ms): the quiet one
+    # is within the 10 ms limit, and the timed runs' quiet ones are its time.
+    timing = _screened(monkeypatch, _FaultingProgram(0.002, {2, 4, 6, 8, 10}), limit=0.01)
+    assert not timing.cut_short and timing.device < 0.01
+    # Every screening run faulted: no evidence, so it is timed in full (its quiet runs).
+    timing = _screened(monkeypatch, _FaultingProgram(0.002, {2, 3, 4}), limit=0.01)
+    assert not timing.cut_short and timing.device < 0.01
+
+
+def test_a_slow_cpu_candidate_is_still_cut_short(monkeypatch) -> None:
+    timing = _screened(monkeypatch, _FaultingProgram(0.02, set()), limit=0.005)
+    assert timing.cut_short and timing.device >= 0.02
+
+
 def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
     """A chain whose fused kernel had the shorter candidate time (its launches cheaper) but
     the longer device time, kept XLA's in a device-bound program: the summary gives both parts,

@@ -6,7 +6,8 @@ so the K ops are straight-line code and no input stays cached between them):
 - wall: call time after warm-up divided by K, median over repeats (the method of
   ``shared/perf``; per-argument dispatch is included once per call); programs compared with
   each other are timed in turns (:func:`wall_times_interleaved`), so a drift of the machine
-  (another process, the allocator returning memory to the OS) weighs on each alike;
+  (another process) weighs on each alike, and runs that faulted their outputs' pages in are
+  set aside as the find step sets them aside (:func:`jaxfuse.measure.quiet_runs`);
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
   divided by K, median over calls; launch gaps and host work excluded. GPU only.
 """
@@ -22,6 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+
+from ..measure import page_faults, quiet_runs
 
 __all__ = ["batched", "device_time_per_op", "wall_time_per_op", "wall_times_interleaved"]
 
@@ -64,19 +67,27 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
     kernel's block gave 3.0 ms: the blocks saw different machines. The order rotates from round
     to round: with a fixed one (2026-11-26, same VM) the third program, the same kernel as the
     second, timed 1.6-1.7x slower at batch 8, each round (it ran on the memory the second had
-    just freed, in pages the system had taken back)."""
+    just freed, in pages the system had taken back). Rotating still left every other run of a
+    program faulting its outputs in (2026-11-26, same VM: 3136 faults and 3x the time for a
+    12.8 MB output, in XLA's program and the kernel's alike), and the median of such a mix
+    swung by half between programs that run the same kernel: each program's faulting runs are
+    set aside while it has quieter ones."""
     for _ in range(warmup):
         for many in programs.values():
             jax.block_until_ready(many(arg_sets))
     times: dict[str, list[float]] = {name: [] for name in programs}
+    faults: dict[str, list[int]] = {name: [] for name in programs}
     names = list(programs)
     for round_ in range(repeats):
         for i in range(len(names)):
             name = names[(round_ + i) % len(names)]
+            faults_before = page_faults()
             start = time.perf_counter()
             jax.block_until_ready(programs[name](arg_sets))
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) / len(arg_sets) for name, t in times.items()}
+            faults[name].append(page_faults() - faults_before)
+    return {name: statistics.median(quiet_runs(t, faults[name])) / len(arg_sets)
+            for name, t in times.items()}
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
