@@ -262,9 +262,9 @@ def test_a_far_slower_kernel_is_not_timed_further(monkeypatch) -> None:
     assert plan.solver == "xla"
     assert plan.kernel_info["candidates_us"]["fused"] >= 10_000  # its wall-clocked run
     sets = find.set_count(plan.signature, jax.devices("cpu")[0])
-    # A warm-up run and two wall-clocked runs of every input set (one slow run could be a
-    # hiccup of the host), nothing more.
-    assert len(calls) == 3 * sets
+    # A warm-up run and three wall-clocked runs of every input set on a CPU (one slow run
+    # could be a hiccup of the host, or a run that faulted its output in), nothing more.
+    assert len(calls) == 4 * sets
 
 
 def test_a_candidate_that_fails_to_run_is_dropped(monkeypatch) -> None:
