@@ -658,15 +658,11 @@ int TensorMapDataType(DType dtype) {
   }
 }
 
-// The input as an im2col map (NHWC: dimensions C, W, H, N), one k-tile of channels (128
-// bytes) x 128 pixels a copy, and, unless the producer transposes B itself (TmaTransposesB),
-// the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64 boxes) or [K][R*S*CG] (OHWI, 1x1
-// OIHW: a k-tile x bn boxes).
-std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
-  const ConvGeometry& g = spec.conv;
+// An NHWC input as the copy engine sees it: a 4-D tensor (C, W, H, N) of the plan's dtype,
+// the fields every input map shares (boxes and the im2col window are the caller's).
+TensorMapSpec NhwcInputMap(const PlanSpec& spec) {
   const uint64_t elem = dtype_size(spec.dtype);
   TensorMapSpec x;
-  x.im2col = true;
   x.data_type = TensorMapDataType(spec.dtype);
   x.rank = 4;
   const uint64_t dims[4] = {uint64_t(spec.c), uint64_t(spec.w), uint64_t(spec.h), uint64_t(spec.n)};
@@ -674,6 +670,18 @@ std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
   x.strides[0] = spec.c * elem;
   x.strides[1] = spec.w * spec.c * elem;
   x.strides[2] = spec.h * spec.w * spec.c * elem;
+  return x;
+}
+
+// The input as an im2col map (NHWC: dimensions C, W, H, N), one k-tile of channels (128
+// bytes) x 128 pixels a copy, and, unless the producer transposes B itself (TmaTransposesB),
+// the filters as a 2-D tiled map: [R*S*CG][K] (HWIO: 64 x 64 boxes) or [K][R*S*CG] (OHWI, 1x1
+// OIHW: a k-tile x bn boxes).
+std::vector<TensorMapSpec> TmaMaps(const PlanSpec& spec, const TmaTile& tile) {
+  const ConvGeometry& g = spec.conv;
+  const uint64_t elem = dtype_size(spec.dtype);
+  TensorMapSpec x = NhwcInputMap(spec);
+  x.im2col = true;
   x.element_strides[1] = static_cast<uint32_t>(g.stride_w);
   x.element_strides[2] = static_cast<uint32_t>(g.stride_h);
   const auto [lw, uw] = CornerBox(spec.w, spec.out_w, g.stride_w, g.pad_l);
@@ -1092,16 +1100,8 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
 // (C, W, H, N), a box of the slice's channels x the window's columns x its rows x one image,
 // unswizzled (the kernel reads the window pixel-major, as cp.async lays it out).
 TensorMapSpec DepthwiseMap(const PlanSpec& spec, const DepthwiseTile& t) {
-  const uint64_t elem = dtype_size(spec.dtype);
-  TensorMapSpec x;
-  x.data_type = TensorMapDataType(spec.dtype);
-  x.rank = 4;
+  TensorMapSpec x = NhwcInputMap(spec);
   x.swizzle = 0;
-  const uint64_t dims[4] = {uint64_t(spec.c), uint64_t(spec.w), uint64_t(spec.h), uint64_t(spec.n)};
-  std::copy(dims, dims + 4, x.dims);
-  x.strides[0] = spec.c * elem;
-  x.strides[1] = spec.w * spec.c * elem;
-  x.strides[2] = spec.h * spec.w * spec.c * elem;
   x.box[0] = static_cast<uint32_t>(t.cs);
   x.box[1] = static_cast<uint32_t>(t.box_cols);
   x.box[2] = static_cast<uint32_t>(t.box_rows);
