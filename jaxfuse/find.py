@@ -3,7 +3,7 @@
 For a signature on a device, :func:`choose` times jaxfuse's fused kernel and XLA's unfused
 composition in one harness (:mod:`jaxfuse.measure`) on random inputs of the plan's shapes,
 checks that they agree, and keeps the faster; the fused kernel must win by a margin
-(:data:`MARGIN`), since a tie is noise and XLA's composition may fuse with its neighbours in a
+(:func:`margin`), since a tie is noise and XLA's composition may fuse with its neighbours in a
 whole program. A candidate that fails (compiles, runs, or
 disagrees with the other) is dropped and the reason kept; XLA's composition runs wherever jax
 does, so a plan always has a solver.
@@ -34,13 +34,24 @@ from .measure import Harness, device_timing, random_operands, relative_error, se
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
-__all__ = ["MARGIN", "Decision", "choose", "fastest_form", "stats"]
+__all__ = ["CPU_MARGIN", "MARGIN", "Decision", "choose", "fastest_form", "margin", "stats"]
 
 logger = logging.getLogger("jaxfuse")
 
 FUSED = "fused"
-# The fused kernel runs a plan only when it costs at most (1 - MARGIN) of XLA's composition.
+# The fused kernel runs a plan only when it costs at most (1 - margin) of XLA's composition:
+# MARGIN on GPUs, CPU_MARGIN on CPUs, whose timings of one program spread wider. On a 2-core
+# VM (2026-11-26) the find step and the layer benchmark disagreed by about 10% about batch-1
+# NA kernels at parity with XLA's composition (80-160 us ops), and the find step's pick ran
+# 0.89x XLA in the benchmark; a kernel that wins on a CPU wins by far more (1.2-14x a model).
 MARGIN = 0.03
+CPU_MARGIN = 0.10
+
+
+def margin(platform: str) -> float:
+    """How much faster than XLA's composition the fused kernel must measure on `platform`."""
+    return CPU_MARGIN if platform.lower() == "cpu" else MARGIN
+
 # A fused kernel whose second run (the first loads and allocates) takes this many times XLA's
 # measured cost, and at least _GIVE_UP_FLOOR seconds per run, is not timed further: the direct
 # fp32 kernel at batch 64 takes tens of milliseconds a run.
@@ -117,7 +128,8 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
     if decision is not None:
         # The times are the record; the rule (the margin) is this version's.
         decision = dataclasses.replace(
-            decision, solver=_faster(dict(decision.times_us), dict(decision.failures)))
+            decision, solver=_faster(dict(decision.times_us), dict(decision.failures),
+                                     device.platform))
         with _lock:
             _stats["disk_hits"] += 1
         return decision
@@ -182,7 +194,8 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
                 times.pop(FUSED, None)
     for name in failures:  # a failed candidate is no candidate, for a program either
         device_us.pop(name, None), host_us.pop(name, None)
-    return Decision(_faster(times, failures), tuple(times.items()), tuple(failures.items()),
+    return Decision(_faster(times, failures, device.platform), tuple(times.items()),
+                    tuple(failures.items()),
                     device_us=tuple(device_us.items()), host_us=tuple(host_us.items()))
 
 
@@ -247,8 +260,8 @@ def give_up_limit(xla_seconds: float) -> float:
     return max(xla_seconds * _GIVE_UP, _GIVE_UP_FLOOR)
 
 
-def _faster(times: dict[str, float], failures: dict[str, str]) -> str:
-    """The solver to run: the fused kernel where it beats XLA by :data:`MARGIN` or XLA failed,
+def _faster(times: dict[str, float], failures: dict[str, str], platform: str) -> str:
+    """The solver to run: the fused kernel where it beats XLA by :func:`margin` or XLA failed,
     XLA where it is close or the fused kernel failed (and the fused kernel when nothing was
     measured: its own errors then reach the caller)."""
     working = {k: v for k, v in times.items() if k not in failures}
@@ -256,7 +269,7 @@ def _faster(times: dict[str, float], failures: dict[str, str]) -> str:
         return FUSED
     if FUSED not in working:
         return XLA
-    return FUSED if working[FUSED] <= (1 - MARGIN) * working[XLA] else XLA
+    return FUSED if working[FUSED] <= (1 - margin(platform)) * working[XLA] else XLA
 
 
 def _first_line(err: BaseException) -> str:
