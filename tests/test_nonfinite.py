@@ -122,6 +122,29 @@ def test_batchnorm_with_zero_variance_is_infinite(ops: str, bn_mode: str, dtype:
     """var + eps == 0 in some channels (some with scale 0, infinite scale or shift too), other
     channels ordinary: the ordinary ones keep their values, the others are +-inf, NaN where
     the formula has 0 * inf or inf - inf."""
+    case = Case(ops=ops, dtype=dtype, layout=layout, bn_mode=bn_mode, n=2, c=6, k=6, h=5, w=4)
+    _run(case, device, seed=len(ops) + len(bn_mode),
+         edit=_zero_variance(case, bn_mode, layout))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops", ["CNA", "CBNA", "CNBA"])
+def test_depthwise_batchnorm_with_zero_variance_is_infinite(ops: str, dtype: str,
+                                                            device) -> None:
+    """The depthwise kernel folds bias and batch norm into its taps where a channel's batch
+    norm is a plain multiply-add, and runs the whole chain for the others (two 16-bit
+    channels share a thread: an ordinary one beside a zero-variance one takes the exact form
+    too)."""
+    case = Case(ops=ops, dtype=dtype, layout="NHWC", filter_layout="HWIO", n=2, c=16, k=16,
+                h=6, w=5, groups=16, padding="SAME")
+    _run(case, device, seed=len(ops), edit=_zero_variance(case, "spatial", "NHWC"))
+    if device.platform == "gpu":
+        assert case.build()[0].compile(device).solver == "conv_depthwise"
+
+
+def _zero_variance(case: Case, bn_mode: str, layout: str) -> Any:
+    """An edit for _run: zero variance (and eps) in a third of `case`'s batch-norm channels."""
+    plan_signature = case.build()[0].signature
 
     def edit(x, args, handles, operands, rng):
         names = [s.name for s in plan_signature.operands]
@@ -135,16 +158,14 @@ def test_batchnorm_with_zero_variance_is_infinite(ops: str, bn_mode: str, dtype:
         shift[zero[1:2]] = -np.inf
         # And channels with finite variance but an infinite scale.
         scale[rng.choice(var.size, 1)] = np.inf
-        if ops.startswith("N"):  # x == mean exactly somewhere in a zero-variance channel
+        if case.ops.startswith("N"):  # x == mean exactly somewhere in a zero-variance channel
             _put_mean_into_x(x, mean, zero[-1], bn_mode, layout)
         args.set_batchnorm_inference(handles["N"], *params, epsilon=0.0)
         for k, p in zip(("scale", "shift", "mean", "var"), params):
             operands[names.index(k)] = p.astype(np.float64)
         _set_scalar(operands, "bn_epsilon", 0.0)
 
-    case = Case(ops=ops, dtype=dtype, layout=layout, bn_mode=bn_mode, n=2, c=6, k=6, h=5, w=4)
-    plan_signature = case.build()[0].signature
-    _run(case, device, seed=len(ops) + len(bn_mode), edit=edit)
+    return edit
 
 
 def _put_mean_into_x(x: np.ndarray, mean: np.ndarray, index: int, bn_mode: str,

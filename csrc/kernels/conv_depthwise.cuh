@@ -11,7 +11,10 @@
 // (register blocking in both directions: (kBH - 1) * SH + R rows by (kBW - 1) * SW + S columns
 // of reads for kBH * kBW outputs). The filter taps (as fp32) and the epilogue's per-channel
 // terms are tabulated in shared memory once a CTA, a thread a channel, and each thread keeps
-// its own in registers. Each output word goes through the plan's epilogue and out as one
+// its own in registers, the taps scaled by the chain's leading affine steps (the convolution's
+// alpha, bias, batch norm) and the accumulators started at their shift, so that each output
+// runs only the rest of the chain (a third of the kernel's instructions were the whole
+// chain's). Each output word goes through the epilogue and out as one
 // 32-bit store; a warp's stores cover consecutive channels of a pixel. Needs C % kCS == 0 and
 // buffers aligned to kFill bytes (4 or 16). No tensor cores: a dense MMA over a depthwise
 // product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
@@ -96,22 +99,32 @@ static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole sl
 static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");
 static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");
 static_assert(kThreads == kThreadsC * kBlocksH * kBlocksW, "one thread per (word, block)");
-// Shared memory: the tile's input window (two when walking), then the slice's taps (fp32,
-// tap-major) and per-channel epilogue terms, tabulated once a CTA; with the copy engine, from
-// a 128-byte aligned base, windows 128-byte aligned, and a barrier per window last.
+// Shared memory: the tile's input window (two when walking; with kSplit, one strip per row of
+// blocks), then the slice's taps (fp32, tap-major) and per-channel epilogue terms, tabulated
+// once a CTA; with the copy engine, from a 128-byte aligned base, windows 128-byte aligned,
+// and a barrier per window last.
 #ifdef JF_DEPTHWISE_TMA
 constexpr bool kTma = true;
 #else
 constexpr bool kTma = false;
 #endif
-constexpr int kWindowBytes = kTileRows * kTileCols * kCS * static_cast<int>(sizeof(T));
+// Split (copy engine, one tile a CTA): the window as kBlocksH strips, strip i the kInRows
+// input rows of the i-th row of blocks (halo rows copied into both strips they belong to),
+// each its own box and barrier, so a row of blocks starts once its own rows have landed
+// rather than when the whole window has: in a one-wave layer every CTA's window otherwise
+// lands at about the same time, all CTAs compute together, then all store.
+constexpr bool kSplitWindow = kSplit > 1;
+static_assert(!kSplitWindow || (kTma && kWalk == 1 && kSplit == kBlocksH), "strips per block row");
+constexpr int kWindowRows = kSplitWindow ? kInRows : kTileRows;
+constexpr int kBuffers = kSplitWindow ? kSplit : kWindows;
+constexpr int kWindowBytes = kWindowRows * kTileCols * kCS * static_cast<int>(sizeof(T));
 constexpr int kWindowPitch = kTma ? (kWindowBytes + 127) / 128 * 128 : kWindowBytes;
-constexpr int kTapsOffset = kWindows * kWindowPitch;
+constexpr int kTapsOffset = kBuffers * kWindowPitch;
 constexpr int kTermsOffset = kTapsOffset + R * S * kCS * 4;
 constexpr int kBarriersOffset = (kTermsOffset + kCS * 20 + 7) / 8 * 8;
 static_assert(kWindowPitch % 16 == 0 || kWindows == 1, "the second window 16-byte aligned");
 static_assert(sizeof(Epilogue::Channel) == 20, "the code generator sizes the table so");
-static_assert(kSmemBytes == (kTma ? 128 + kBarriersOffset + 8 * kWindows : kTermsOffset + kCS * 20),
+static_assert(kSmemBytes == (kTma ? 128 + kBarriersOffset + 8 * kBuffers : kTermsOffset + kCS * 20),
               "shared memory: windows, taps, terms (and barriers)");
 
 // The 32-bit shared-memory address of a generic pointer into shared memory.
@@ -244,6 +257,12 @@ JF_DEVICE void fill_tile(unsigned char* smem, u32 smem_addr, const unsigned char
   }
 }
 
+// Whether an output runs only the rest of the chain after the folded affine steps.
+template <bool Value>
+struct Rest {
+  static constexpr bool value = Value;
+};
+
 // Tile number -> its image, tile row and tile column.
 struct TilePosition {
   i64 n;
@@ -268,13 +287,15 @@ JF_DEVICE void fill_window(unsigned char* smem, const T* x, TileIdx tile, int ch
 #ifdef JF_DEPTHWISE_TMA
 // The same window as one box copy through the input's map (`map`), completing on window
 // `buffer`'s barrier; shared memory from the aligned base address `base`. One thread calls it.
+// Split windows: strip `buffer` of the window, from its row of blocks' first input row.
 JF_DEVICE void fill_window_bulk(u32 base, const void* map, TileIdx tile, int channel0,
                                 int buffer) {
   const TilePosition at = tile_position(tile);
   const u32 bar = base + kBarriersOffset + 8 * buffer;
+  const int row = at.th * kTH * SH - PT + (kSplitWindow ? buffer * kBH * SH : 0);
   tma::arrive_expect_bytes(bar, kWindowBytes);  // (zero-filled bytes count too)
-  tma::load_box(base + buffer * kWindowPitch, map, channel0, at.tw * kTW * SW - PL,
-                at.th * kTH * SH - PT, static_cast<int>(at.n), bar);
+  tma::load_box(base + buffer * kWindowPitch, map, channel0, at.tw * kTW * SW - PL, row,
+                static_cast<int>(at.n), bar);
 }
 #endif
 
@@ -318,9 +339,15 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   (void)x;
   const u32 base = shared_address(smem);
   if (tid == 0) {
-    for (int b = 0; b < kWindows; ++b) tma::barrier_init(base + kBarriersOffset + 8 * b, 1);
+    for (int b = 0; b < kBuffers; ++b) tma::barrier_init(base + kBarriersOffset + 8 * b, 1);
     tma::fence_barrier_init();
-    fill_window_bulk(base, &args.x, first_tile, slice * kCS, 0);
+    if constexpr (kSplitWindow) {
+      for (int strip = 0; strip < kSplit; ++strip) {
+        fill_window_bulk(base, &args.x, first_tile, slice * kCS, strip);
+      }
+    } else {
+      fill_window_bulk(base, &args.x, first_tile, slice * kCS, 0);
+    }
     if (kWalk > 1 && count > 1) fill_window_bulk(base, &args.x, first_tile + 1, slice * kCS, 1);
   }
 #else
@@ -342,7 +369,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   }
 #ifdef JF_DEPTHWISE_TMA
   __syncthreads();           // the tables are complete, the barriers initialized
-  tma::wait(base + kBarriersOffset, 0);  // the first window has landed
+  // The first window (split: this thread's strip) has landed.
+  tma::wait(base + kBarriersOffset + (kSplitWindow ? 8 * bi : 0), 0);
 #else
   wait_copies<kWindows - 1>();  // the first window has landed (the second may not have)
   __syncthreads();              // ... everyone's, and the tables are complete
@@ -355,6 +383,19 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   Epilogue::Channel terms[kCh];
 #pragma unroll
   for (int j = 0; j < kCh; ++j) terms[j] = term_table[tc * kCh + j];
+  // The chain's leading affine steps (alpha, bias, batch norm) folded into the taps and the
+  // accumulators' start, so each output runs only the rest of the chain; a thread whose
+  // channels do not allow it keeps the taps as they are and runs the whole chain.
+  float scale[kCh], start[kCh];
+  bool folded = true;
+#pragma unroll
+  for (int j = 0; j < kCh; ++j) folded = ep.leading_affine(terms[j], scale[j], start[j]) && folded;
+#pragma unroll
+  for (int j = 0; j < kCh; ++j) {
+    if (!folded) scale[j] = 1.0f, start[j] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < R * S; ++t) taps[t][j] *= scale[j];
+  }
 
   for (int step = 0; step < count; ++step) {
     const TileIdx tile = first_tile + step;
@@ -369,11 +410,14 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
 #pragma unroll
         for (int q = 0; q < kBW; ++q)
 #pragma unroll
-          for (int j = 0; j < kCh; ++j) acc[o][q][j] = 0.0f;
+          for (int j = 0; j < kCh; ++j) acc[o][q][j] = start[j];
       // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
       // == i: each row is read and converted once.
-      const u32* window = reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowPitch) +
-                          ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
+      const u32* window =
+          kSplitWindow
+              ? reinterpret_cast<const u32*>(smem + bi * kWindowPitch) + bj * kBW * SW * kThreadsC + tc
+              : reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowPitch) +
+                    ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
 #pragma unroll
       for (int i = 0; i < kInRows; ++i) {
         float in[kInCols][kCh];
@@ -398,20 +442,32 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
       }
 
       const i64 sample = n * kPerSample;
+      // The block's outputs through the rest of the chain (Rest) or all of it.
+      const auto store = [&](auto rest) {
 #pragma unroll
-      for (int o = 0; o < kBH; ++o) {
-        if (P % kBH != 0 && oh0 + o >= P) break;
+        for (int o = 0; o < kBH; ++o) {
+          if (P % kBH != 0 && oh0 + o >= P) break;
 #pragma unroll
-        for (int q = 0; q < kBW; ++q) {
-          if (Q % kBW != 0 && ow0 + q >= Q) break;
-          const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // offset within the sample
-          float v[kCh];
+          for (int q = 0; q < kBW; ++q) {
+            if (Q % kBW != 0 && ow0 + q >= Q) break;
+            const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // within the sample
+            float v[kCh];
 #pragma unroll
-          for (int j = 0; j < kCh; ++j) {
-            v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+            for (int j = 0; j < kCh; ++j) {
+              if constexpr (decltype(rest)::value) {
+                v[j] = ep.apply_rest(acc[o][q][j], terms[j], param + j, sample + param + j);
+              } else {
+                v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+              }
+            }
+            *reinterpret_cast<u32*>(y + sample + param) = pack(v);
           }
-          *reinterpret_cast<u32*>(y + sample + param) = pack(v);
         }
+      };
+      if (folded) {
+        store(Rest<true>());
+      } else {
+        store(Rest<false>());
       }
     }
     if (kWalk > 1 && step + 1 < count) {
