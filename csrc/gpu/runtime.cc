@@ -110,6 +110,15 @@ RuntimeCompiler::RuntimeCompiler(Platform platform) : platform_(platform) {
   api->version(&major, &minor);
   version_ = std::string(p) + " " + std::to_string(major) + "." + std::to_string(minor);
   library_ = lib.path();
+  // NVRTC opens its builtins library by soname when it first compiles; 13.0 does not look
+  // beside itself, so an NVRTC found in a pip package's directory failed every compile
+  // ("failed to open libnvrtc-builtins.so.13.0") unless that directory was on the loader's
+  // path. Loaded here from beside it (best effort), the soname is already resolved.
+  if (const size_t slash = library_.rfind('/'); cuda && slash != std::string::npos) {
+    const std::string builtins = library_.substr(0, slash + 1) + "libnvrtc-builtins.so." +
+                                 std::to_string(major) + "." + std::to_string(minor);
+    (void)dlopen(builtins.c_str(), RTLD_NOW | RTLD_GLOBAL);  // kept open until exit
+  }
   api_ = api.release();
 }
 

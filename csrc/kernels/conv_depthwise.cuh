@@ -257,11 +257,33 @@ JF_DEVICE void fill_tile(unsigned char* smem, u32 smem_addr, const unsigned char
   }
 }
 
-// Whether an output runs only the rest of the chain after the folded affine steps.
-template <bool Value>
-struct Rest {
-  static constexpr bool value = Value;
-};
+// A thread's block of outputs (from row oh0, column ow0, channel c of the sample at `y`,
+// element `sample` of the output) through the chain: only the rest of it after the folded
+// affine steps (Rest), or all of it.
+template <bool Rest>
+JF_DEVICE void store_block(const Epilogue& ep, T* y, const float (&acc)[kBH][kBW][kCh],
+                           const Epilogue::Channel (&terms)[kCh], int oh0, int ow0, int c,
+                           i64 sample) {
+#pragma unroll
+  for (int o = 0; o < kBH; ++o) {
+    if (P % kBH != 0 && oh0 + o >= P) break;
+#pragma unroll
+    for (int q = 0; q < kBW; ++q) {
+      if (Q % kBW != 0 && ow0 + q >= Q) break;
+      const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // offset within the sample
+      float v[kCh];
+#pragma unroll
+      for (int j = 0; j < kCh; ++j) {
+        if constexpr (Rest) {
+          v[j] = ep.apply_rest(acc[o][q][j], terms[j], param + j, sample + param + j);
+        } else {
+          v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
+        }
+      }
+      *reinterpret_cast<u32*>(y + param) = pack(v);
+    }
+  }
+}
 
 // Tile number -> its image, tile row and tile column.
 struct TilePosition {
@@ -442,32 +464,10 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
       }
 
       const i64 sample = n * kPerSample;
-      // The block's outputs through the rest of the chain (Rest) or all of it.
-      const auto store = [&](auto rest) {
-#pragma unroll
-        for (int o = 0; o < kBH; ++o) {
-          if (P % kBH != 0 && oh0 + o >= P) break;
-#pragma unroll
-          for (int q = 0; q < kBW; ++q) {
-            if (Q % kBW != 0 && ow0 + q >= Q) break;
-            const Idx param = (Idx(oh0 + o) * kQ + ow0 + q) * kK + c;  // within the sample
-            float v[kCh];
-#pragma unroll
-            for (int j = 0; j < kCh; ++j) {
-              if constexpr (decltype(rest)::value) {
-                v[j] = ep.apply_rest(acc[o][q][j], terms[j], param + j, sample + param + j);
-              } else {
-                v[j] = ep.apply(acc[o][q][j], terms[j], param + j, sample + param + j);
-              }
-            }
-            *reinterpret_cast<u32*>(y + sample + param) = pack(v);
-          }
-        }
-      };
       if (folded) {
-        store(Rest<true>());
+        store_block<true>(ep, y + sample, acc, terms, oh0, ow0, c, sample);
       } else {
-        store(Rest<false>());
+        store_block<false>(ep, y + sample, acc, terms, oh0, ow0, c, sample);
       }
     }
     if (kWalk > 1 && step + 1 < count) {
