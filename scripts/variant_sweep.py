@@ -24,8 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
-VARIANTS = 9  # depthwise: 4 tilings, 2 walking, a cp.async twin and a split window (sm_90),
-# the vector kernel
+VARIANTS = 8  # depthwise: 4 tilings, 2 walking, a cp.async twin (sm_90), the vector kernel
 
 
 def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str,

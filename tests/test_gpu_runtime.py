@@ -211,10 +211,9 @@ _VARIANTS_CHILD = textwrap.dedent("""
 """)
 
 
-# Every variant index a solver offers (8: the cp.async and TMA Hopper kernels' tiles; 9 the
-# depthwise solver's, whose last is its vector kernel); indices past a plan's count clamp to
-# its last.
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8])
+# Every variant index a solver offers (8: the cp.async and TMA Hopper kernels' tiles; the
+# depthwise solver's last is its vector kernel); indices past a plan's count clamp to its last.
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7])
 def test_every_kernel_variant_is_correct(tmp_path, variant: int) -> None:
     _run_ok_child(_VARIANTS_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=str(variant))
 
@@ -470,36 +469,6 @@ _CP_ASYNC_CHILD = textwrap.dedent("""
 def test_the_cp_async_depthwise_twin_is_correct(tmp_path) -> None:
     _run_ok_child(_CP_ASYNC_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_depthwise cp.async")
 
-
-# The copy-engine tiling whose window comes as one strip per row of blocks (each its own box
-# and barrier), forced: the edge geometries (padding on either side, dilation, strides, a side
-# input, per-activation batch norm) and the walking cases' shapes.
-_SPLIT_CHILD = textwrap.dedent("""
-    import dataclasses
-    import sys
-    import jax
-    sys.path.insert(0, {tests!r})
-    from cases import DEPTHWISE_CASES, WALKING_DEPTHWISE_CASES, run_forced_cases
-    gpu = jax.devices("gpu")[0]
-    if getattr(gpu, "compute_capability", "") != "9.0":  # (the copy engine: sm_90)
-        print("ok")
-        sys.exit(0)
-    cases = [dataclasses.replace(c, dtype=d) for c in DEPTHWISE_CASES
-             for d in ("bfloat16", "float32")] + WALKING_DEPTHWISE_CASES
-    split = []
-    for case in cases:
-        plan, _ = case.build()
-        plan.compile(gpu, solver="fused")
-        if plan.kernel_info["tile"].endswith("split"):
-            split.append(case)
-    assert len(split) >= 8, len(split)
-    run_forced_cases(split, gpu, lambda info: info["tile"].endswith("split"))
-    print("ok")
-""")
-
-
-def test_the_split_window_depthwise_kernel_is_correct(tmp_path) -> None:
-    _run_ok_child(_SPLIT_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_depthwise split")
 
 
 # conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the

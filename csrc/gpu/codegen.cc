@@ -205,8 +205,8 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   // The chain's leading affine steps as one map per channel, v * scale + shift: the
   // convolution's alpha, then bias and spatial batch norm up to the first other operator. A
   // kernel that scales its filter taps by `scale` and starts its accumulators at `shift` then
-  // runs only the rest of the chain (apply_rest) per output: the depthwise kernel's epilogue
-  // was a third of its instructions. False where the map is not finite or a batch norm is not
+  // runs only the rest of the chain (apply_rest) per output: the whole chain was about a
+  // fifth of the depthwise kernel's instructions (7x7/960 bf16, relu6: 170 of 780). False where the map is not finite or a batch norm is not
   // a plain multiply-add (its exact form is kept for those channels).
   size_t leading = 0;
   while (spec.has_conv && leading < spec.pointwise.size() &&
@@ -899,13 +899,9 @@ struct DepthwiseTile {
   // per-chunk address arithmetic before the first byte is asked for.
   bool tma = false;
   bool twin = false;  // cp.async beside copy-engine tilings (sm_90): named so it can be forced
-  // Copy engine, one tile a CTA: the window copied as one strip per row of blocks, each with
-  // its own barrier (conv_depthwise.cuh, kSplit): the strips' count, or 1 for one box.
-  int split = 1;
   int64_t window = 0, smem = 0, tiles = 0, ctas = 0;
   int64_t rs = 0;            // filter taps
-  int64_t box_rows = 0, box_cols = 0;  // the window's (or a strip's) input rows and columns
-  int64_t block_rows = 0;    // the input rows of one row of blocks
+  int64_t box_rows = 0, box_cols = 0;  // the window's input rows and columns
   double seconds = 0;  // the cost model's estimate
   // Resident CTAs ptxas must allow: registers capped at 128 a thread (2048 threads / 16
   // warps), except for large filters, whose taps alone take most of that.
@@ -913,14 +909,13 @@ struct DepthwiseTile {
   std::string Name() const {
     return std::to_string(th) + "x" + std::to_string(tw) + "x" + std::to_string(cs) + " b" +
            std::to_string(bh) + "x" + std::to_string(bw) + (tma ? " tma" : "") +
-           (twin ? " cp.async" : "") + (split > 1 ? " split" : "") +
-           (walk > 1 ? " walk" + std::to_string(walk) : "");
+           (twin ? " cp.async" : "") + (walk > 1 ? " walk" + std::to_string(walk) : "");
   }
   // Dynamic shared memory as conv_depthwise.cuh lays it out: the windows (each 128-byte
   // aligned for the copy engine, from a base the kernel aligns), the taps (fp32), the 20-byte
   // epilogue terms per channel, and with the copy engine a barrier per window.
   int64_t SmemBytes() const {
-    const int64_t windows = split > 1 ? split : walk > 1 ? 2 : 1;
+    const int64_t windows = walk > 1 ? 2 : 1;
     if (!tma) return windows * window + (rs * 4 + 20) * cs;
     const int64_t pitch = (window + 127) / 128 * 128;
     return 128 + (windows * pitch + (rs * 4 + 20) * cs + 7) / 8 * 8 + 8 * windows;
@@ -937,15 +932,6 @@ struct DepthwiseTile {
   DepthwiseTile Bulk() const {
     DepthwiseTile t = *this;
     t.tma = true;
-    t.smem = t.SmemBytes();
-    return t;
-  }
-  // The same copy-engine tiling, its window copied as one strip per row of blocks.
-  DepthwiseTile Split() const {
-    DepthwiseTile t = *this;
-    t.split = th / bh;
-    t.window = window / box_rows * block_rows;
-    t.box_rows = block_rows;
     t.smem = t.SmemBytes();
     return t;
   }
@@ -1048,7 +1034,7 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
             t.threads = cs / ch * nbh * nbw;
             // The input window, then the taps (fp32) and the 20-byte epilogue terms per channel.
             t.window = tile_rows * tile_cols * cs * elem;
-            t.rs = rs, t.box_rows = tile_rows, t.box_cols = tile_cols, t.block_rows = in_rows;
+            t.rs = rs, t.box_rows = tile_rows, t.box_cols = tile_cols;
             t.smem = t.SmemBytes();
             t.fill = (int64_t{cs} * elem) % 16 == 0 && (c * elem) % 16 == 0 ? 16 : 4;
             t.tiles = tiles;
@@ -1154,12 +1140,6 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
     if (bulk > 0 && all[0].tma) {
       all.push_back(best);
       all.back().twin = true;
-      // And its window in strips, where it has more than one row of blocks (one-wave layers
-      // at large batch: every CTA's one window lands at about the same time).
-      const DepthwiseTile strips = all[0].Split();
-      if (all[0].walk == 1 && strips.split > 1 && strips.smem <= smem_limit) {
-        all.push_back(strips);
-      }
     }
   }
   return all;
@@ -1191,8 +1171,7 @@ int DepthwiseVariants(const PlanSpec& spec, const DeviceInfo& device) {
 std::string DepthwiseConstants(const DepthwiseTile& t) {
   Text s;
   s << "constexpr int kBH = " << t.bh << ", kBW = " << t.bw << ", kTH = " << t.th
-    << ", kTW = " << t.tw << ", kCS = " << t.cs << ", kWalk = " << t.walk
-    << ", kSplit = " << t.split << ";\n"
+    << ", kTW = " << t.tw << ", kCS = " << t.cs << ", kWalk = " << t.walk << ";\n"
     << "constexpr int kFill = " << t.fill << ", kThreads = " << t.threads
     << ", kMinBlocks = " << t.MinBlocks() << ";\n"
     << "constexpr int kSmemBytes = " << t.smem << ";\n"

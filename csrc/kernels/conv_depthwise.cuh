@@ -13,9 +13,9 @@
 // terms are tabulated in shared memory once a CTA, a thread a channel, and each thread keeps
 // its own in registers, the taps scaled by the chain's leading affine steps (the convolution's
 // alpha, bias, batch norm) and the accumulators started at their shift, so that each output
-// runs only the rest of the chain (a third of the kernel's instructions were the whole
-// chain's). Each output word goes through the epilogue and out as one
-// 32-bit store; a warp's stores cover consecutive channels of a pixel. Needs C % kCS == 0 and
+// runs only the rest of the chain (the whole chain was about a fifth of the kernel's
+// instructions). Each output word goes out as one 32-bit store; a warp's stores cover
+// consecutive channels of a pixel. Needs C % kCS == 0 and
 // buffers aligned to kFill bytes (4 or 16). No tensor cores: a dense MMA over a depthwise
 // product multiplies other channels' (or positions') inputs by zero weights, and 0 * inf =
 // NaN would leak across channels where the convolution has none.
@@ -99,32 +99,22 @@ static_assert(C % kCS == 0 && kCS % kCh == 0 && kCS % kFillElems == 0, "whole sl
 static_assert((kFill == 16 || kFill == 4) && (C * sizeof(T)) % kFill == 0, "aligned copies");
 static_assert(kTH % kBH == 0 && kTW % kBW == 0, "whole blocks per tile");
 static_assert(kThreads == kThreadsC * kBlocksH * kBlocksW, "one thread per (word, block)");
-// Shared memory: the tile's input window (two when walking; with kSplit, one strip per row of
-// blocks), then the slice's taps (fp32, tap-major) and per-channel epilogue terms, tabulated
-// once a CTA; with the copy engine, from a 128-byte aligned base, windows 128-byte aligned,
-// and a barrier per window last.
+// Shared memory: the tile's input window (two when walking), then the slice's taps (fp32,
+// tap-major) and per-channel epilogue terms, tabulated once a CTA; with the copy engine, from
+// a 128-byte aligned base, windows 128-byte aligned, and a barrier per window last.
 #ifdef JF_DEPTHWISE_TMA
 constexpr bool kTma = true;
 #else
 constexpr bool kTma = false;
 #endif
-// Split (copy engine, one tile a CTA): the window as kBlocksH strips, strip i the kInRows
-// input rows of the i-th row of blocks (halo rows copied into both strips they belong to),
-// each its own box and barrier, so a row of blocks starts once its own rows have landed
-// rather than when the whole window has: in a one-wave layer every CTA's window otherwise
-// lands at about the same time, all CTAs compute together, then all store.
-constexpr bool kSplitWindow = kSplit > 1;
-static_assert(!kSplitWindow || (kTma && kWalk == 1 && kSplit == kBlocksH), "strips per block row");
-constexpr int kWindowRows = kSplitWindow ? kInRows : kTileRows;
-constexpr int kBuffers = kSplitWindow ? kSplit : kWindows;
-constexpr int kWindowBytes = kWindowRows * kTileCols * kCS * static_cast<int>(sizeof(T));
+constexpr int kWindowBytes = kTileRows * kTileCols * kCS * static_cast<int>(sizeof(T));
 constexpr int kWindowPitch = kTma ? (kWindowBytes + 127) / 128 * 128 : kWindowBytes;
-constexpr int kTapsOffset = kBuffers * kWindowPitch;
+constexpr int kTapsOffset = kWindows * kWindowPitch;
 constexpr int kTermsOffset = kTapsOffset + R * S * kCS * 4;
 constexpr int kBarriersOffset = (kTermsOffset + kCS * 20 + 7) / 8 * 8;
 static_assert(kWindowPitch % 16 == 0 || kWindows == 1, "the second window 16-byte aligned");
 static_assert(sizeof(Epilogue::Channel) == 20, "the code generator sizes the table so");
-static_assert(kSmemBytes == (kTma ? 128 + kBarriersOffset + 8 * kBuffers : kTermsOffset + kCS * 20),
+static_assert(kSmemBytes == (kTma ? 128 + kBarriersOffset + 8 * kWindows : kTermsOffset + kCS * 20),
               "shared memory: windows, taps, terms (and barriers)");
 
 // The 32-bit shared-memory address of a generic pointer into shared memory.
@@ -309,15 +299,13 @@ JF_DEVICE void fill_window(unsigned char* smem, const T* x, TileIdx tile, int ch
 #ifdef JF_DEPTHWISE_TMA
 // The same window as one box copy through the input's map (`map`), completing on window
 // `buffer`'s barrier; shared memory from the aligned base address `base`. One thread calls it.
-// Split windows: strip `buffer` of the window, from its row of blocks' first input row.
 JF_DEVICE void fill_window_bulk(u32 base, const void* map, TileIdx tile, int channel0,
                                 int buffer) {
   const TilePosition at = tile_position(tile);
   const u32 bar = base + kBarriersOffset + 8 * buffer;
-  const int row = at.th * kTH * SH - PT + (kSplitWindow ? buffer * kBH * SH : 0);
   tma::arrive_expect_bytes(bar, kWindowBytes);  // (zero-filled bytes count too)
-  tma::load_box(base + buffer * kWindowPitch, map, channel0, at.tw * kTW * SW - PL, row,
-                static_cast<int>(at.n), bar);
+  tma::load_box(base + buffer * kWindowPitch, map, channel0, at.tw * kTW * SW - PL,
+                at.th * kTH * SH - PT, static_cast<int>(at.n), bar);
 }
 #endif
 
@@ -361,15 +349,9 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   (void)x;
   const u32 base = shared_address(smem);
   if (tid == 0) {
-    for (int b = 0; b < kBuffers; ++b) tma::barrier_init(base + kBarriersOffset + 8 * b, 1);
+    for (int b = 0; b < kWindows; ++b) tma::barrier_init(base + kBarriersOffset + 8 * b, 1);
     tma::fence_barrier_init();
-    if constexpr (kSplitWindow) {
-      for (int strip = 0; strip < kSplit; ++strip) {
-        fill_window_bulk(base, &args.x, first_tile, slice * kCS, strip);
-      }
-    } else {
-      fill_window_bulk(base, &args.x, first_tile, slice * kCS, 0);
-    }
+    fill_window_bulk(base, &args.x, first_tile, slice * kCS, 0);
     if (kWalk > 1 && count > 1) fill_window_bulk(base, &args.x, first_tile + 1, slice * kCS, 1);
   }
 #else
@@ -391,8 +373,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   }
 #ifdef JF_DEPTHWISE_TMA
   __syncthreads();           // the tables are complete, the barriers initialized
-  // The first window (split: this thread's strip) has landed.
-  tma::wait(base + kBarriersOffset + (kSplitWindow ? 8 * bi : 0), 0);
+  tma::wait(base + kBarriersOffset, 0);  // the first window has landed
 #else
   wait_copies<kWindows - 1>();  // the first window has landed (the second may not have)
   __syncthreads();              // ... everyone's, and the tables are complete
@@ -435,11 +416,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
           for (int j = 0; j < kCh; ++j) acc[o][q][j] = start[j];
       // Input row i of the block feeds output row o through filter row r where o * SH + r * DH
       // == i: each row is read and converted once.
-      const u32* window =
-          kSplitWindow
-              ? reinterpret_cast<const u32*>(smem + bi * kWindowPitch) + bj * kBW * SW * kThreadsC + tc
-              : reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowPitch) +
-                    ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
+      const u32* window = reinterpret_cast<const u32*>(smem + (step % kWindows) * kWindowPitch) +
+                          ((bi * kBH * SH) * kTileCols + bj * kBW * SW) * kThreadsC + tc;
 #pragma unroll
       for (int i = 0; i < kInRows; ++i) {
         float in[kInCols][kCh];
