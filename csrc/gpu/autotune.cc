@@ -157,6 +157,8 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
   std::vector<unsigned char> raw(out_bytes);
   std::unique_lock<std::timed_mutex> timing(DeviceTimingMutex(), std::defer_lock);
   (void)timing.try_lock_for(std::chrono::seconds(10));  // else time anyway (noisier)
+  std::vector<void*> loaded(variants.size(), nullptr);  // each variant's fast path, once timed
+  std::vector<int> repeats(variants.size(), 0);
   for (size_t i = 0; i < variants.size(); ++i) {
     if (binaries[i].empty()) continue;
     try {
@@ -169,9 +171,9 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
       // the previous variant's values.
       const double once =
           driver.TimeLaunches(ordinal, functions[0], entry, p, 1, nullptr, 0, out_bytes);
-      const int repeats = static_cast<int>(std::clamp(5.0 / std::max(once, 1e-3), 3.0, 20.0));
+      repeats[i] = static_cast<int>(std::clamp(5.0 / std::max(once, 1e-3), 3.0, 20.0));
       const double ms =
-          driver.TimeLaunches(ordinal, functions[0], entry, p, repeats, flush, flush_bytes);
+          driver.TimeLaunches(ordinal, functions[0], entry, p, repeats[i], flush, flush_bytes);
       driver.CopyToHost(ordinal, raw.data(), p.y, out_bytes);
       cpu::LoadRow(raw.data(), 0, spec.dtype, spec.output_elements(), output.data());
       if (i == 0) {
@@ -180,14 +182,36 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
         continue;  // disagrees with the heuristic's kernel: never chosen
       }
       result.ms[i] = ms;
+      loaded[i] = functions[0];
     } catch (const std::exception&) {
       continue;  // a variant that cannot load or launch is simply not a candidate
     }
   }
-  for (size_t i = 0; i < variants.size(); ++i) {
-    if (result.ms[i] >= 0 && (result.ms[result.best] < 0 || result.ms[i] < result.ms[result.best])) {
-      result.best = static_cast<int>(i);
+  const auto pick_best = [&result] {
+    for (size_t i = 0; i < result.ms.size(); ++i) {
+      if (result.ms[i] >= 0 &&
+          (result.ms[result.best] < 0 || result.ms[i] < result.ms[result.best])) {
+        result.best = static_cast<int>(i);
+      }
     }
+  };
+  pick_best();
+  // The variants within 10% of the fastest, timed again in the reverse order, each keeping its
+  // faster round: one round of medians, each taken at its own moment, left the MobileNetV2
+  // 14x14/384 depthwise layer on a tiling 3% slower than the best (H100, 2026-11-26).
+  if (!result.ms.empty() && result.ms[result.best] > 0) {
+    const double close = 1.1 * result.ms[result.best];
+    for (size_t k = variants.size(); k-- > 0;) {
+      if (loaded[k] == nullptr || result.ms[k] < 0 || result.ms[k] > close) continue;
+      try {
+        const double again = driver.TimeLaunches(ordinal, loaded[k], variants[k].entries[0], p,
+                                                 repeats[k], flush, flush_bytes);
+        if (again > 0) result.ms[k] = std::min(result.ms[k], again);
+      } catch (const std::exception&) {
+        // it ran once: keep that time
+      }
+    }
+    pick_best();
   }
   return result;
 }
