@@ -7,7 +7,8 @@ so the K ops are straight-line code and no input stays cached between them):
   ``shared/perf``; per-argument dispatch is included once per call); programs compared with
   each other are timed in turns (:func:`wall_times_interleaved`), so a drift of the machine
   (another process) weighs on each alike, and runs that faulted their outputs' pages in are
-  set aside as the find step sets them aside (:func:`jaxfuse.measure.quiet_runs`);
+  set aside as the find step sets them aside (:func:`jaxfuse.measure.quiet_runs`); on CPUs the
+  fastest run counts rather than the median (see :func:`wall_times_interleaved`);
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
   divided by K, median over calls; launch gaps and host work excluded. GPU only.
 """
@@ -60,8 +61,11 @@ def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any
 
 def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
                            arg_sets: Sequence[Sequence[Any]], repeats: int = 20,
-                           warmup: int = 3) -> dict[str, float]:
-    """Median wall seconds per op of each of `programs` on `arg_sets`, timed in turns (one call
+                           warmup: int = 3,
+                           statistic: Callable[[list[float]], float] = statistics.median
+                           ) -> dict[str, float]:
+    """Wall seconds per op of each of `programs` on `arg_sets` (`statistic` of the runs, by
+    default the median), timed in turns (one call
     of each per round). On a 2-core VM (2026-11-25) timing XLA's batch-8 NA program in a block
     of its own gave 3.8-7.4 ms per op from one run of the benchmark to the next while the fused
     kernel's block gave 3.0 ms: the blocks saw different machines. The order rotates from round
@@ -71,7 +75,11 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
     program faulting its outputs in (2026-11-26, same VM: 3136 faults and 3x the time for a
     12.8 MB output, in XLA's program and the kernel's alike), and the median of such a mix
     swung by half between programs that run the same kernel: each program's faulting runs are
-    set aside while it has quieter ones."""
+    set aside while it has quieter ones. Even so the medians of two programs with the same
+    optimized HLO (an auto-mode plan that runs XLA's composition, and XLA's composition) came
+    out up to 2x apart on that VM (2026-11-26, NA_C256 fp32 batch 8: 8.7 against 4.1 ms), as
+    every run of either faulted by turns: the CPU benchmark passes ``statistic=min``, each
+    program's least disturbed run."""
     for _ in range(warmup):
         for many in programs.values():
             jax.block_until_ready(many(arg_sets))
@@ -86,7 +94,7 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
             jax.block_until_ready(programs[name](arg_sets))
             times[name].append(time.perf_counter() - start)
             faults[name].append(page_faults() - faults_before)
-    return {name: statistics.median(quiet_runs(t, faults[name])) / len(arg_sets)
+    return {name: statistic(quiet_runs(t, faults[name])) / len(arg_sets)
             for name, t in times.items()}
 
 
