@@ -206,16 +206,16 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   // convolution's alpha, then bias and spatial batch norm up to the first other operator. A
   // kernel that scales its filter taps by `scale` and starts its accumulators at `shift` then
   // runs only the rest of the chain (apply_rest) per output: the whole chain was about a
-  // fifth of the depthwise kernel's instructions (7x7/960 bf16, relu6: 170 of 780). False where the map is not finite or a batch norm is not
-  // a plain multiply-add (its exact form is kept for those channels).
+  // fifth of the depthwise kernel's instructions (7x7/960 bf16, relu6: 170 of 780). False
+  // where the map is not finite or a batch norm is not a plain multiply-add (its exact form is
+  // kept for those channels).
   size_t leading = 0;
   while (spec.has_conv && leading < spec.pointwise.size() &&
          (spec.pointwise[leading] == PointwiseOp::kBias ||
           (spec.pointwise[leading] == PointwiseOp::kBatchNorm && spatial_bn))) {
     ++leading;
   }
-  s << "  static constexpr int kLeadingAffine = " << leading << ";\n"
-    << "  JF_DEVICE bool leading_affine(const Channel& t, float& scale, float& shift) const {\n"
+  s << "  JF_DEVICE bool leading_affine(const Channel& t, float& scale, float& shift) const {\n"
     << "    scale = " << (spec.has_conv ? "conv_alpha" : "1.0f") << ";\n"
     << "    shift = 0.0f;\n";
   for (size_t i = 0; i < leading; ++i) {
