@@ -91,6 +91,27 @@ std::string PlanEpilogue(const PlanSpec& spec) {
   const bool spatial_bn = spec.bn == BnMode::kSpatial;
   const bool per_activation_bn = spec.bn == BnMode::kPerActivation;
   Text s;
+  // One operator of the chain on v, the side input's value at this element being `z`.
+  const auto emit_op = [&](PointwiseOp op, const char* z) {
+    switch (op) {
+      case PointwiseOp::kBias: s << "    v += t.bias;\n"; break;
+      case PointwiseOp::kBatchNorm:
+        if (per_activation_bn) {
+          s << "    v = bn_apply(v, bn_fold(p.bn_scale[param], p.bn_shift[param], "
+               "p.bn_mean[param], p.bn_var[param], bn_epsilon));\n";
+        } else {
+          s << "    v = bn_apply(v, t.bn);\n";
+        }
+        break;
+      case PointwiseOp::kSideAdd:
+        s << "    v += side_alpha * " << z << ";\n";
+        break;
+      case PointwiseOp::kActivation:
+        s << "    v = activate<" << spec.activation
+          << ">(v, act_alpha, act_beta, act_gamma);\n";
+        break;
+    }
+  };
   s << "namespace jaxfuse {\nnamespace plan {\n"
     << "struct Epilogue {\n"
     // 20 bytes, not 16: the tensor-core epilogues read one channel per 8 output columns from
@@ -181,26 +202,7 @@ std::string PlanEpilogue(const PlanSpec& spec) {
     << "  // tensor-core epilogues load it in 16-byte words, ahead of the arithmetic).\n"
     << "  JF_DEVICE float apply_side(float v, const Channel& t, i64 param, float z) const {\n";
   if (spec.has_conv) s << "    v *= conv_alpha;\n";
-  for (PointwiseOp op : spec.pointwise) {
-    switch (op) {
-      case PointwiseOp::kBias: s << "    v += t.bias;\n"; break;
-      case PointwiseOp::kBatchNorm:
-        if (per_activation_bn) {
-          s << "    v = bn_apply(v, bn_fold(p.bn_scale[param], p.bn_shift[param], "
-               "p.bn_mean[param], p.bn_var[param], bn_epsilon));\n";
-        } else {
-          s << "    v = bn_apply(v, t.bn);\n";
-        }
-        break;
-      case PointwiseOp::kSideAdd:
-        s << "    v += side_alpha * z;\n";
-        break;
-      case PointwiseOp::kActivation:
-        s << "    v = activate<" << spec.activation
-          << ">(v, act_alpha, act_beta, act_gamma);\n";
-        break;
-    }
-  }
+  for (PointwiseOp op : spec.pointwise) emit_op(op, "z");
   s << "    return v;\n  }\n";
   // The chain's leading affine steps as one map per channel, v * scale + shift: the
   // convolution's alpha, then bias and spatial batch norm up to the first other operator. A
@@ -231,24 +233,7 @@ std::string PlanEpilogue(const PlanSpec& spec) {
     << "  JF_DEVICE float apply_rest(float v, const Channel& t, i64 param, i64 out) const {\n"
     << "    (void)t, (void)param, (void)out;\n";
   for (size_t i = leading; i < spec.pointwise.size(); ++i) {
-    switch (spec.pointwise[i]) {
-      case PointwiseOp::kBias: s << "    v += t.bias;\n"; break;
-      case PointwiseOp::kBatchNorm:
-        if (per_activation_bn) {
-          s << "    v = bn_apply(v, bn_fold(p.bn_scale[param], p.bn_shift[param], "
-               "p.bn_mean[param], p.bn_var[param], bn_epsilon));\n";
-        } else {
-          s << "    v = bn_apply(v, t.bn);\n";
-        }
-        break;
-      case PointwiseOp::kSideAdd:
-        s << "    v += side_alpha * Io::load(static_cast<const Io::type*>(p.side)[out]);\n";
-        break;
-      case PointwiseOp::kActivation:
-        s << "    v = activate<" << spec.activation
-          << ">(v, act_alpha, act_beta, act_gamma);\n";
-        break;
-    }
+    emit_op(spec.pointwise[i], "Io::load(static_cast<const Io::type*>(p.side)[out])");
   }
   s << "    return v;\n  }\n};\n}  // namespace plan\n}  // namespace jaxfuse\n";
   return s.str();
