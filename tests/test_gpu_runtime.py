@@ -470,7 +470,6 @@ def test_the_cp_async_depthwise_twin_is_correct(tmp_path) -> None:
     _run_ok_child(_CP_ASYNC_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_depthwise cp.async")
 
 
-
 # conv_tma's tiles with the operands swapped (64 output channels a group, [kk][k] filters), the
 # first of them forced (256 pixels a tile): partial tiles, stride, dilation, groups, 1x1, a
 # side input, per-activation batch norm, both 16-bit dtypes, and infinities in the input.

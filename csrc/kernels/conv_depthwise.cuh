@@ -395,7 +395,10 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
   for (int j = 0; j < kCh; ++j) folded = ep.leading_affine(terms[j], scale[j], start[j]) && folded;
 #pragma unroll
   for (int j = 0; j < kCh; ++j) {
-    if (!folded) scale[j] = 1.0f, start[j] = 0.0f;
+    if (!folded) {
+      scale[j] = 1.0f;
+      start[j] = 0.0f;
+    }
 #pragma unroll
     for (int t = 0; t < R * S; ++t) taps[t][j] *= scale[j];
   }

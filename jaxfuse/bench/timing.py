@@ -66,8 +66,8 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
                            ) -> dict[str, float]:
     """Wall seconds per op of each of `programs` on `arg_sets` (`statistic` of the runs, by
     default the median), timed in turns (one call of each per round). On a 2-core VM
-    (2026-11-25) timing XLA's batch-8 NA program in a block
-    of its own gave 3.8-7.4 ms per op from one run of the benchmark to the next while the fused
+    (2026-11-25) timing XLA's batch-8 NA program in a block of its own gave 3.8-7.4 ms per op
+    from one run of the benchmark to the next while the fused
     kernel's block gave 3.0 ms: the blocks saw different machines. The order rotates from round
     to round: with a fixed one (2026-11-26, same VM) the third program, the same kernel as the
     second, timed 1.6-1.7x slower at batch 8, each round (it ran on the memory the second had
