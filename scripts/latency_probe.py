@@ -55,6 +55,10 @@ def trace_summary(fn, args, calls: int) -> dict:
         "graph_launches_per_call": sum(len(v) for k, v in host.items()
                                        if "GraphLaunch" in k) / calls,
         "host_top": top(host, 18),
+        # XLA's own per-call stages and every custom call's, wherever they rank
+        "host_watch": [row for row in top(host, len(host)) if any(
+            word in row[0] for word in ("Initialize", "update", "Launch", "CustomCall",
+                                        "custom_call", "Prepare", "ParseArguments"))],
         "device_top": top(device, 12),
     }
 
@@ -76,6 +80,10 @@ def main() -> None:
     report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)
     print(f"-- {opts.solver}: {report.fused_calls} fused calls, {len(report.to_xla)} chains left "
           f"to XLA, {report.converts_batched} conversions batched into one op")
+    # What JAX and XLA take to dispatch any program of these arguments: one small kernel.
+    floor = jax.jit(lambda variables, x: x * 2)
+    print(f"-- floor (one kernel, the same arguments): wall "
+          f"{forward_seconds(floor, (variables, x), calls=20) * 1e6:.0f} us/call")
     for name, fn in programs.items():
         wall = forward_seconds(fn, (variables, x), calls=20) * 1e6
         s = trace_summary(fn, (variables, x), opts.calls)
@@ -83,6 +91,9 @@ def main() -> None:
               f"= {s['kernel_us_per_call']:.0f} us, "
               f"graph launches {s['graph_launches_per_call']:.1f}/call")
         for event, count, us in s["host_top"]:
+            print(f"   {us:8.1f} us {count:6.1f}x  {event}")
+        print("   watched host events:")
+        for event, count, us in s["host_watch"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {event}")
         print("   device kernels:")
         for kernel, count, us in s["device_top"]:
