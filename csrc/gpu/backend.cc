@@ -74,13 +74,22 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   }
   if (count <= 1 || !AutotuneEnabled()) return 0;
   DiskCache& disk = DiskCache::Global();
+  // The decision holds for this candidate list only: the key counts the candidates, and the
+  // entry names the winner's tile, so a list that grew or reordered (a jaxfuse upgrade) is
+  // timed again rather than an index read into another list.
   const std::string key =
       CacheKey(platform, device.arch, compiler.version(), GenerateKernel(spec, device, 0), spec) +
-      "|tuned-variant-v2";  // v2: small problems timed from DRAM, candidate lists reordered
+      "|tuned-variant-v3|of=" + std::to_string(count);
+  const auto entry = [](int variant, const GeneratedKernel& v) {
+    return std::to_string(variant) + " " + v.solver + " " + v.tile;
+  };
   std::string stored;
   if (disk.Load(key, &stored)) {
     const int variant = std::atoi(stored.c_str());
-    if (variant >= 0 && variant < count && stored == std::to_string(variant)) return variant;
+    if (variant >= 0 && variant < count &&
+        stored == entry(variant, GenerateKernel(spec, device, variant))) {
+      return variant;
+    }
   }
   std::vector<GeneratedKernel> variants;
   for (int i = 0; i < count; ++i) variants.push_back(GenerateKernel(spec, device, i));
@@ -105,7 +114,7 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
     return 0;  // the device could not run the measurement (e.g. out of memory): no memo
   }
   Count(&BackendStats::tunings);
-  disk.Store(key, std::to_string(best));
+  disk.Store(key, entry(best, variants[best]));
   // The winner's binary is the one about to be looked up: store it now, saving a compile.
   disk.Store(CacheKey(platform, device.arch, compiler.version(), variants[best], spec),
              binaries[best]);
