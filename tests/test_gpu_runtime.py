@@ -420,8 +420,7 @@ def test_the_stem_kernel_is_correct(tmp_path, forced: str) -> None:
 
 
 # The depthwise kernel walking several tiles a CTA (the next window copied while this one is
-# computed), forced: its tables built once, the windows alternating, the last CTA's shorter walk;
-# and its one-wave form (registers capped so that every CTA is resident at once).
+# computed), forced: its tables built once, the windows alternating, the last CTA's shorter walk.
 _WALK_CHILD = textwrap.dedent("""
     import os
     import sys
@@ -435,7 +434,7 @@ _WALK_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("walk", ["walk2", "walk4", "wave"])
+@pytest.mark.parametrize("walk", ["walk2", "walk4"])
 def test_the_walking_depthwise_kernel_is_correct(tmp_path, walk: str) -> None:
     _run_ok_child(_WALK_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=f"conv_depthwise {walk}")
 

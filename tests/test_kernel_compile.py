@@ -315,8 +315,6 @@ def test_pointwise_variants_compile(dtype: str, n: int) -> None:
 def test_walking_depthwise_variants_compile(case: Case, arch: str) -> None:
     tiles = [out["tile"] for out in _compile_every_variant(case, arch)]
     assert [t for t in tiles if "walk" in t] == [f"{tiles[0]} walk2", f"{tiles[0]} walk4"]
-    if case.c == 960:  # 1110-1170 CTAs, more than 8 a multiprocessor: one wave in reach
-        assert f"{tiles[0]} wave" in tiles  # (registers capped: every CTA resident at once)
 
 
 def _mobilenet_depthwise_cases() -> list[Case]:

@@ -889,18 +889,12 @@ struct DepthwiseTile {
   int64_t box_rows = 0, box_cols = 0;  // the window's input rows and columns
   double seconds = 0;  // the cost model's estimate
   // Resident CTAs ptxas must allow: registers capped at 128 a thread (2048 threads / 16
-  // warps), except for large filters, whose taps alone take most of that; or, for a one-wave
-  // tiling, as many as make every CTA resident at once.
-  int min_blocks = 0;
-  int MinBlocks() const {
-    if (min_blocks > 0) return min_blocks;
-    return large_filter ? 1 : std::max(1, 16 / ((threads + 31) / 32));
-  }
+  // warps), except for large filters, whose taps alone take most of that.
+  int MinBlocks() const { return large_filter ? 1 : std::max(1, 16 / ((threads + 31) / 32)); }
   std::string Name() const {
     return std::to_string(th) + "x" + std::to_string(tw) + "x" + std::to_string(cs) + " b" +
            std::to_string(bh) + "x" + std::to_string(bw) + (tma ? " tma" : "") +
-           (twin ? " cp.async" : "") + (walk > 1 ? " walk" + std::to_string(walk) : "") +
-           (min_blocks > 0 ? " wave" : "");
+           (twin ? " cp.async" : "") + (walk > 1 ? " walk" + std::to_string(walk) : "");
   }
   // Dynamic shared memory as conv_depthwise.cuh lays it out: the windows (each 128-byte
   // aligned for the copy engine, from a base the kernel aligns), the taps (fp32), the 20-byte
@@ -1114,38 +1108,23 @@ std::vector<DepthwiseTile> DepthwiseCandidates(const PlanSpec& spec, const Devic
       if (t.smem <= smem_limit && t.window % 16 == 0 && t.ctas >= 2 * sms) all.push_back(t);
     }
   }
-  // The best tiling with its registers capped so that every CTA is resident at once, where
-  // that leaves ptxas 64 or more a thread: a second wave of a few CTAs, each waiting about a
-  // microsecond for its window, added a CTA's whole duration to the 7x7/960 layer at batch 64
-  // (1920 CTAs at 72 registers: 14 a multiprocessor, 1848 on 132 of them).
-  if (!all.empty()) {
-    DepthwiseTile t = all[0];
-    const int64_t warps = (t.threads + 31) / 32;
-    const int64_t resident = (t.ctas + sms - 1) / sms;
-    if (resident > t.MinBlocks() && resident <= 32 && resident * warps <= 64 &&
-        65536 / (resident * warps * 32) >= 64 && resident * (t.smem + 1024) <= 228 * 1024) {
-      t.min_blocks = static_cast<int>(resident);
-      all.push_back(t);
-    }
-  }
   // On sm_90 every tiling copies its windows with the copy engine where a box can (16-byte
-  // rows of channels, at most 256 rows and columns), and the best one (and its one-wave
-  // form) is timed with cp.async too, so autotuning keeps the older copy wherever it is faster.
+  // rows of channels, at most 256 rows and columns), and the best one is timed with cp.async
+  // too, so autotuning keeps the older copy wherever it is faster.
   if (!device.hip && device.arch == "sm_90" && !all.empty()) {
-    std::vector<DepthwiseTile> twins = {all[0]};
-    if (all.back().min_blocks > 0) twins.push_back(all.back());
+    const DepthwiseTile best = all[0];
+    size_t bulk = 0;
     for (DepthwiseTile& t : all) {
       const DepthwiseTile b = t.Bulk();
       if (t.fill == 16 && t.box_rows <= 256 && t.box_cols <= 256 && b.smem <= smem_limit &&
           n < (int64_t{1} << 31)) {
         t = b;
+        ++bulk;
       }
     }
-    if (all[0].tma) {
-      for (DepthwiseTile& t : twins) {
-        t.twin = true;
-        all.push_back(t);
-      }
+    if (bulk > 0 && all[0].tma) {
+      all.push_back(best);
+      all.back().twin = true;
     }
   }
   return all;
