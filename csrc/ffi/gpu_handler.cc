@@ -1,11 +1,12 @@
 // XLA FFI handlers for platforms "CUDA" and "ROCM". The instantiate stage (once per
 // executable) parses and checks the plan; the initialize stage (before each execution, outside
 // any CUDA-graph capture) compiles and loads the plan's kernel for the device the first time,
-// through the plan's state; the execute
-// stage checks the buffers and launches on XLA's stream, with nothing looked up by string and
-// nothing allocated. Where the FFI headers have the record stage (jax >= 0.11), CUDA also gets
-// one: XLA then adds the kernel to its command buffer as a node of its own and, when buffers
-// move between calls, updates that node's parameters instead of capturing the call again.
+// through the plan's state; the execute stage checks the buffers and launches on XLA's
+// stream, with nothing looked up by string and nothing allocated. Where the FFI headers have
+// the record stage (jax >= 0.11), CUDA also gets a bundle with one and without the
+// initialize stage (record_registration.cc): XLA then adds the kernel to its command buffer as
+// a node of its own, loaded by the record stage, and when buffers move between calls updates
+// that node's parameters instead of capturing the call again.
 #include <array>
 #include <atomic>
 #include <exception>
@@ -31,12 +32,17 @@ struct GpuPlanState : PlanState {
   using PlanState::PlanState;
   static ffi::TypeId id;  // assigned by the GPU plugin's XLA runtime at registration
 
-  // The plan's kernel on device `ordinal`: after the first call on a device, one atomic load.
+  // The plan's kernel on device `ordinal` if this state has it already (one atomic load).
+  const gpu::LoadedKernel* Loaded(int ordinal) const {
+    return ordinal >= 0 && ordinal < static_cast<int>(slots.size())
+               ? slots[ordinal].load(std::memory_order_acquire)
+               : nullptr;
+  }
+
+  // The plan's kernel on device `ordinal`, compiled or loaded the first time.
   const gpu::LoadedKernel& Kernel(gpu::Platform platform, int ordinal) {
+    if (const gpu::LoadedKernel* k = Loaded(ordinal)) return *k;
     const bool slotted = ordinal >= 0 && ordinal < static_cast<int>(slots.size());
-    if (slotted) {
-      if (const gpu::LoadedKernel* k = slots[ordinal].load(std::memory_order_acquire)) return *k;
-    }
     // Normally a hit (the initialize stage loaded it); the backend's cache keeps every loaded
     // kernel for the process's lifetime, `owned` only what the slots point at.
     auto kernel = gpu::GetKernel(platform, *spec, ordinal);
@@ -79,6 +85,21 @@ ffi::Error Initialize(int32_t device_ordinal, GpuPlanState* state, ffi::Dictiona
   }
 }
 
+// The kernel for an execution on `stream`: loaded by an earlier stage, or now, where the
+// stream is not being captured into a graph (compiling, loading and autotuning are not
+// allowed during a capture; the CUDA bundle with the record stage has no initialize stage).
+template <gpu::Platform kPlatform>
+const gpu::LoadedKernel& KernelFor(GpuPlanState* state, int32_t device_ordinal, void* stream) {
+  if (const gpu::LoadedKernel* k = state->Loaded(device_ordinal)) return *k;
+  if (gpu::Driver::Get(kPlatform).Capturing(stream)) {
+    throw std::runtime_error(
+        "jaxfuse: the plan's kernel is not loaded on device " + std::to_string(device_ordinal) +
+        " and the stream is being captured into a graph (compile the plan, or run the "
+        "program once without capture, first)");
+  }
+  return state->Kernel(kPlatform, device_ordinal);
+}
+
 template <gpu::Platform kPlatform>
 ffi::Error Execute(void* stream, int32_t device_ordinal, GpuPlanState* state,
                    ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
@@ -89,7 +110,7 @@ ffi::Error Execute(void* stream, int32_t device_ordinal, GpuPlanState* state,
         err.failure()) {
       return err;
     }
-    const gpu::LoadedKernel& kernel = state->Kernel(kPlatform, device_ordinal);
+    const gpu::LoadedKernel& kernel = KernelFor<kPlatform>(state, device_ordinal, stream);
     gpu::Launch(kPlatform, spec, kernel, stream, BindParams(spec, decoded));
     return ffi::Error::Success();
   } catch (const std::exception& e) {
@@ -109,13 +130,15 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
                   ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
   try {
     const PlanSpec& spec = *state->spec;
+    // Loaded here, outside any capture: the bundle has no initialize stage, and a launch XLA
+    // captures from the execute stage must find its kernel loaded.
+    const gpu::LoadedKernel& kernel = state->Kernel(kPlatform, device_ordinal);
     if (spec.output_elements() == 0 || PoisonOutputs()) return record.RequestStreamCapture();
     DecodedOperands decoded;
     if (ffi::Error err = DecodeOperands(spec, state->operands, args, out, &decoded);
         err.failure()) {
       return err;
     }
-    const gpu::LoadedKernel& kernel = state->Kernel(kPlatform, device_ordinal);
     const FusedParams params = BindParams(spec, decoded);
     std::atomic<int>& recorded = state->recorded_entries.at(device_ordinal);
     const bool create = record.action() == ffi::RecordAction::kCreate;

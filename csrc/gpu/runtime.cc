@@ -210,6 +210,7 @@ struct Driver::Api {
   Result (*host_device_pointer)(void**, void*, unsigned) = nullptr;
   Result (*host_free)(void*) = nullptr;
   Result (*event_query)(Handle) = nullptr;
+  Result (*stream_is_capturing)(Handle, int*) = nullptr;  // optional
   // Tensor maps for bulk tensor copies (CUDA 12+; absent elsewhere).
   Result (*encode_tiled)(void*, int, uint32_t, void*, const uint64_t*, const uint64_t*,
                          const uint32_t*, const uint32_t*, int, int, int, int) = nullptr;
@@ -283,6 +284,7 @@ Driver::Driver(Platform platform) : platform_(platform) {
       api->encode_tiled = nullptr, api->encode_im2col = nullptr;
     }
   } else {
+    Require(lib, "hipGetErrorString", &api->hip_error_string);
     if (!lib.Get("hipStreamWaitValue32", &api->hip_wait_value32)) api->hip_wait_value32 = nullptr;
   }
   if (!lib.Get(cuda ? "cuMemHostAlloc" : "hipHostMalloc", &api->host_alloc) ||
@@ -291,7 +293,10 @@ Driver::Driver(Platform platform) : platform_(platform) {
       !lib.Get(cuda ? "cuMemFreeHost" : "hipHostFree", &api->host_free) ||
       !lib.Get(cuda ? "cuEventQuery" : "hipEventQuery", &api->event_query)) {
     api->wait_value32 = nullptr, api->hip_wait_value32 = nullptr;
-    Require(lib, "hipGetErrorString", &api->hip_error_string);
+  }
+  if (!lib.Get(cuda ? "cuStreamIsCapturing" : "hipStreamIsCapturing",
+               &api->stream_is_capturing)) {
+    api->stream_is_capturing = nullptr;
   }
   api_ = api.release();
   Check(api_->init(0), "initializing the GPU driver");
@@ -535,6 +540,12 @@ void Driver::FreeMappedHost(int ordinal, void* host_ptr) const {
 }
 
 bool Driver::EventDone(void* event) const { return api_->event_query(event) == 0; }
+
+bool Driver::Capturing(void* stream) const {
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE / hipStreamCaptureStatusNone
+  if (api_->stream_is_capturing == nullptr) return false;
+  return api_->stream_is_capturing(stream, &status) != 0 || status != 0;
+}
 
 void Driver::WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {
   ContextScope scope(*this, ordinal);
