@@ -7,7 +7,8 @@
 #
 # Knobs (environment): TESTS_CAP, TESTS_WORKERS, TESTS_ARGS, TESTS_K (a pytest -k expression), FINAL_CAP, LAYERS_CAP, MODELS_CAP
 # (seconds); LAYER_SUITES, LAYER_BATCH, LAYER_DTYPES, LAYER_LAYOUTS, LAYER_FILTERS, LAYER_WDTYPE
-# (float32: plans keep float32 filters), LAYER_MATCH (a
+# (float32: plans keep float32 filters), LAYER_RUNS (instead: suite:dtype:layout:batches runs,
+# e.g. "mobilenetv2:bfloat16:NHWC:64 resnet50:float32:NHWC:1,64"), LAYER_MATCH (a
 # regular expression on layer names); MODEL_RUNS, a list of
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
@@ -100,7 +101,23 @@ if has final; then
   echo "pytest exit $? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error|Timeout" "$OUT/final_tests.log" | tail -25
 fi
-if has layers; then
+if has layers && [[ -n ${LAYER_RUNS:-} ]]; then
+  # Several configurations in one call: suite:dtype:layout:batches runs (batches
+  # comma-separated), in order until LAYERS_CAP is spent; a table and JSON each.
+  echo "== layer benchmarks, runs (forced kernel and auto against XLA)"
+  deadline=$(( $(date +%s) + ${LAYERS_CAP:-300} ))
+  for run in $LAYER_RUNS; do
+    IFS=: read -r suite dtype layout batches <<< "$run"
+    left=$(( deadline - $(date +%s) ))
+    (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
+    tag="${suite}_${dtype}_${layout}_${batches//,/_}"
+    timeout "$left" $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
+      --dtype "$dtype" --layout "$layout" --repeats 10 --json "$OUT/layers_$tag.json" \
+      --no-progress > "$OUT/layers_$tag.log" 2>&1
+    echo "$run exit $?"
+    grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
+  done
+elif has layers; then
   echo "== layer benchmarks (forced kernel and auto against XLA)"
   deadline=$(( $(date +%s) + ${LAYERS_CAP:-300} ))
   for chain in ${LAYER_CHAIN:-0}; do
