@@ -43,8 +43,9 @@ struct GpuPlanState : PlanState {
   const gpu::LoadedKernel& Kernel(gpu::Platform platform, int ordinal) {
     if (const gpu::LoadedKernel* k = Loaded(ordinal)) return *k;
     const bool slotted = ordinal >= 0 && ordinal < static_cast<int>(slots.size());
-    // Normally a hit (the initialize stage loaded it); the backend's cache keeps every loaded
-    // kernel for the process's lifetime, `owned` only what the slots point at.
+    // Normally a hit in the backend's cache (the plan was compiled from Python when it was
+    // lowered); that cache keeps every loaded kernel for the process's lifetime, `owned` only
+    // what the slots point at.
     auto kernel = gpu::GetKernel(platform, *spec, ordinal);
     if (!slotted) return *kernel;
     std::lock_guard<std::mutex> lock(mu);
@@ -70,8 +71,9 @@ ffi::ErrorOr<std::unique_ptr<GpuPlanState>> Instantiate(ffi::Dictionary attrs) {
   return InstantiatePlan<GpuPlanState>(attrs);
 }
 
-// Runs before every execution (XLA calls the stage each time): after the first on a device,
-// one atomic load. It used to read the plan attribute and look the plan and its kernel up by
+// Runs before every execution (XLA calls the stage each time; bundles without the record
+// stage only: ROCm's and the plain-named CUDA target's): after the first on a device, one
+// atomic load. It used to read the plan attribute and look the plan and its kernel up by
 // the attribute's text, per chain per call (a batch-1 ResNet-50 spent 86 us a call in XLA's
 // Thunks::Initialize, H100, 2026-11-26).
 template <gpu::Platform kPlatform>
