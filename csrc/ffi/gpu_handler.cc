@@ -87,19 +87,22 @@ ffi::Error Initialize(int32_t device_ordinal, GpuPlanState* state, ffi::Dictiona
   }
 }
 
-// The kernel for an execution on `stream`: loaded by an earlier stage, or now, where the
-// stream is not being captured into a graph (compiling, loading and autotuning are not
-// allowed during a capture; the CUDA bundle with the record stage has no initialize stage).
+// The kernel for an execution on `stream`: this state's, the backend's already loaded one
+// (the plan was compiled when it was lowered), or one compiled and loaded now, which a
+// stream being captured into a graph does not allow (the CUDA bundle with the record stage
+// has no initialize stage to do it beforehand).
 template <gpu::Platform kPlatform>
 const gpu::LoadedKernel& KernelFor(GpuPlanState* state, int32_t device_ordinal, void* stream) {
   if (const gpu::LoadedKernel* k = state->Loaded(device_ordinal)) return *k;
-  if (gpu::Driver::Get(kPlatform).Capturing(stream)) {
+  if (gpu::FindLoadedKernel(kPlatform, *state->spec, device_ordinal) == nullptr &&
+      gpu::Driver::Get(kPlatform).Capturing(device_ordinal, stream)) {
     throw std::runtime_error(
-        "jaxfuse: the plan's kernel is not loaded on device " + std::to_string(device_ordinal) +
-        " and the stream is being captured into a graph (compile the plan, or run the "
-        "program once without capture, first)");
+        "jaxfuse: the plan's kernel is not compiled for device " +
+        std::to_string(device_ordinal) +
+        ", and XLA is capturing this call into a CUDA graph, where it cannot be compiled; run "
+        "the program once outside a graph capture first");
   }
-  return state->Kernel(kPlatform, device_ordinal);
+  return state->Kernel(kPlatform, device_ordinal);  // (found: a lookup, no driver call)
 }
 
 template <gpu::Platform kPlatform>

@@ -155,17 +155,30 @@ std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec&
   return recent[key] = kernel;
 }
 
-std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const PlanSpec& spec,
-                                                    int ordinal) {
+namespace {
+
+// The process-wide slot of a plan's kernel on a device (created empty on first ask).
+std::shared_ptr<Slot> KernelSlot(Platform platform, const PlanSpec& spec, int ordinal) {
   static std::mutex mu;
   static auto* slots = new std::map<std::tuple<int, int, std::string>, std::shared_ptr<Slot>>();
-  std::shared_ptr<Slot> slot;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto& entry = (*slots)[{static_cast<int>(platform), ordinal, spec.canonical}];
-    if (!entry) entry = std::make_shared<Slot>();
-    slot = entry;
-  }
+  std::lock_guard<std::mutex> lock(mu);
+  auto& entry = (*slots)[{static_cast<int>(platform), ordinal, spec.canonical}];
+  if (!entry) entry = std::make_shared<Slot>();
+  return entry;
+}
+
+}  // namespace
+
+std::shared_ptr<const LoadedKernel> FindLoadedKernel(Platform platform, const PlanSpec& spec,
+                                                     int ordinal) {
+  std::shared_ptr<Slot> slot = KernelSlot(platform, spec, ordinal);
+  std::unique_lock<std::mutex> lock(slot->mu, std::try_to_lock);  // (being compiled: not yet)
+  return lock.owns_lock() ? slot->kernel : nullptr;
+}
+
+std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const PlanSpec& spec,
+                                                    int ordinal) {
+  std::shared_ptr<Slot> slot = KernelSlot(platform, spec, ordinal);
   std::lock_guard<std::mutex> lock(slot->mu);
   if (slot->kernel) return slot->kernel;
 

@@ -38,6 +38,10 @@ struct BackendStats {
 // compiler log when compiling failed).
 std::shared_ptr<const LoadedKernel> GetKernel(Platform platform, const PlanSpec& spec,
                                               int ordinal);
+// The same kernel if it is loaded already, else null: no compiling, loading or driver call
+// (allowed while a stream is being captured into a graph).
+std::shared_ptr<const LoadedKernel> FindLoadedKernel(Platform platform, const PlanSpec& spec,
+                                                     int ordinal);
 
 // The fastest of the kernel's entry points that the buffers' alignment allows.
 size_t EntryFor(const LoadedKernel& kernel, const FusedParams& params);

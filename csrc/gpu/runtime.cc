@@ -541,10 +541,12 @@ void Driver::FreeMappedHost(int ordinal, void* host_ptr) const {
 
 bool Driver::EventDone(void* event) const { return api_->event_query(event) == 0; }
 
-bool Driver::Capturing(void* stream) const {
+bool Driver::Capturing(int ordinal, void* stream) const {
+  if (api_->stream_is_capturing == nullptr) return false;  // (drivers before graph capture)
+  ContextScope scope(*this, ordinal);
   int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE / hipStreamCaptureStatusNone
-  if (api_->stream_is_capturing == nullptr) return false;
-  return api_->stream_is_capturing(stream, &status) != 0 || status != 0;
+  Check(api_->stream_is_capturing(stream, &status), "asking whether a stream is captured");
+  return status != 0;
 }
 
 void Driver::WaitValue(int ordinal, void* stream, void* device_ptr, uint32_t value) const {

@@ -112,8 +112,9 @@ class Driver {
   void FreeMappedHost(int ordinal, void* host_ptr) const;
   // Whether all work before `event` has completed (never waits).
   bool EventDone(void* event) const;
-  // Whether `stream` is being captured into a graph (a failed query counts as capturing).
-  bool Capturing(void* stream) const;
+  // Whether `stream` (of device `ordinal`) is being captured into a graph; throws where the
+  // driver cannot tell.
+  bool Capturing(int ordinal, void* stream) const;
   void* CreateStream(int ordinal) const;  // non-blocking
   void DestroyStream(int ordinal, void* stream) const;
 
