@@ -5,6 +5,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
@@ -48,9 +49,10 @@ void Count(int64_t BackendStats::*counter, int64_t amount = 1) {
 }
 
 // The variant to run: from the disk cache if this plan was tuned before on this architecture,
-// else by timing every variant now (compiled concurrently), remembering the winner.
+// else by timing every variant now (compiled concurrently), remembering the winner. Where it
+// generated the winner's kernel on the way, it leaves it in `*chosen` (the caller's to reuse).
 int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& device, int ordinal,
-                  const RuntimeCompiler& compiler) {
+                  const RuntimeCompiler& compiler, std::optional<GeneratedKernel>* chosen) {
   const int count = CountVariants(spec, device);
   // JAXFUSE_KERNEL_VARIANT=i forces variant i, =<solver> (e.g. conv_tma) the first variant of
   // that solver where it applies, and =<solver> <suffix> (e.g. "conv_tma pp") the first whose
@@ -86,9 +88,10 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   std::string stored;
   if (disk.Load(key, &stored)) {
     const int variant = std::atoi(stored.c_str());
-    if (variant >= 0 && variant < count &&
-        stored == entry(variant, GenerateKernel(spec, device, variant))) {
-      return variant;
+    if (variant >= 0 && variant < count) {
+      *chosen = GenerateKernel(spec, device, variant);
+      if (stored == entry(variant, **chosen)) return variant;
+      chosen->reset();
     }
   }
   std::vector<GeneratedKernel> variants;
@@ -118,6 +121,7 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   // The winner's binary is the one about to be looked up: store it now, saving a compile.
   disk.Store(CacheKey(platform, device.arch, compiler.version(), variants[best], spec),
              binaries[best]);
+  *chosen = std::move(variants[best]);
   return best;
 }
 
@@ -188,8 +192,9 @@ std::shared_ptr<const LoadedKernel> GetKernelShared(Platform platform, const Pla
   DiskCache& disk = DiskCache::Global();
   auto kernel = std::make_shared<LoadedKernel>();
   kernel->arch = device.arch;
-  kernel->variant = ChooseVariant(platform, spec, device, ordinal, compiler);
-  kernel->generated = GenerateKernel(spec, device, kernel->variant);
+  std::optional<GeneratedKernel> chosen;
+  kernel->variant = ChooseVariant(platform, spec, device, ordinal, compiler, &chosen);
+  kernel->generated = chosen ? std::move(*chosen) : GenerateKernel(spec, device, kernel->variant);
   const std::string key = CacheKey(platform, device.arch, compiler.version(), kernel->generated,
                                    spec);
   auto compile = [&] {
