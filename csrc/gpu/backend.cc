@@ -79,9 +79,9 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   // The decision holds for this candidate list only: the key counts the candidates, and the
   // entry names the winner's tile, so a list that grew or reordered (a jaxfuse upgrade) is
   // timed again rather than an index read into another list.
-  const std::string key =
-      CacheKey(platform, device.arch, compiler.version(), GenerateKernel(spec, device, 0), spec) +
-      "|tuned-variant-v3|of=" + std::to_string(count);
+  GeneratedKernel first = GenerateKernel(spec, device, 0);  // (keys the decision; a candidate)
+  const std::string key = CacheKey(platform, device.arch, compiler.version(), first, spec) +
+                          "|tuned-variant-v3|of=" + std::to_string(count);
   const auto entry = [](int variant, const GeneratedKernel& v) {
     return std::to_string(variant) + " " + v.solver + " " + v.tile;
   };
@@ -89,13 +89,14 @@ int ChooseVariant(Platform platform, const PlanSpec& spec, const DeviceInfo& dev
   if (disk.Load(key, &stored)) {
     const int variant = std::atoi(stored.c_str());
     if (variant >= 0 && variant < count) {
-      *chosen = GenerateKernel(spec, device, variant);
+      *chosen = variant == 0 ? first : GenerateKernel(spec, device, variant);
       if (stored == entry(variant, **chosen)) return variant;
       chosen->reset();
     }
   }
   std::vector<GeneratedKernel> variants;
-  for (int i = 0; i < count; ++i) variants.push_back(GenerateKernel(spec, device, i));
+  variants.push_back(std::move(first));
+  for (int i = 1; i < count; ++i) variants.push_back(GenerateKernel(spec, device, i));
   std::vector<std::future<std::string>> jobs;
   for (const GeneratedKernel& v : variants) {
     jobs.push_back(std::async(std::launch::async, [&compiler, &v, &device] {
