@@ -70,23 +70,31 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--solver", default="auto")
+    parser.add_argument("--closure", action="store_true",
+                        help="also time the fused program with the variables closed over "
+                             "(constants of the program, not arguments of each call)")
     opts = parser.parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
     print(f"== {opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
     model, variables, x = model_inputs(opts.model, opts.dtype, opts.batch)
     variables, x = jax.device_put((variables, x))
-    programs = {"plain": jax.jit(model.apply),
-                opts.solver: jax.jit(fuse(model.apply, solver=opts.solver))}
+    programs = {"plain": (jax.jit(model.apply), (variables, x)),
+                opts.solver: (jax.jit(fuse(model.apply, solver=opts.solver)), (variables, x))}
+    if opts.closure:  # the input the only argument of each call
+        fused = fuse(model.apply, solver=opts.solver)
+        programs[f"{opts.solver}, variables closed over"] = (
+            jax.jit(lambda x: fused(variables, x)), (x,))
     report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)
     print(f"-- {opts.solver}: {report.fused_calls} fused calls, {len(report.to_xla)} chains left "
           f"to XLA, {report.converts_batched} conversions batched into one op")
     # What JAX and XLA take to dispatch any program of these arguments: one small kernel.
     floor = jax.jit(lambda variables, x: x * 2)
     print(f"-- floor (one kernel, the same arguments): wall "
-          f"{forward_seconds(floor, (variables, x), calls=20) * 1e6:.0f} us/call")
-    for name, fn in programs.items():
-        wall = forward_seconds(fn, (variables, x), calls=20) * 1e6
-        s = trace_summary(fn, (variables, x), opts.calls)
+          f"{forward_seconds(floor, (variables, x), calls=20) * 1e6:.0f} us/call; "
+          f"of the input alone {forward_seconds(floor, ((), x), calls=20) * 1e6:.0f} us/call")
+    for name, (fn, args) in programs.items():
+        wall = forward_seconds(fn, args, calls=20) * 1e6
+        s = trace_summary(fn, args, opts.calls)
         print(f"-- {name}: wall {wall:.0f} us/call, kernels {s['kernels_per_call']:.0f}/call "
               f"= {s['kernel_us_per_call']:.0f} us, "
               f"graph launches {s['graph_launches_per_call']:.1f}/call")
