@@ -82,6 +82,8 @@ def main() -> None:
                 opts.solver: (jax.jit(fuse(model.apply, solver=opts.solver)), (variables, x))}
     if opts.closure:  # the input the only argument of each call
         fused = fuse(model.apply, solver=opts.solver)
+        programs["plain, variables closed over"] = (
+            jax.jit(lambda x: model.apply(variables, x)), (x,))
         programs[f"{opts.solver}, variables closed over"] = (
             jax.jit(lambda x: fused(variables, x)), (x,))
     report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)

@@ -208,7 +208,9 @@ class Rewriter:
                 _emit_batch(batch, read, env)
             if index in emit_at:
                 group = emit_at[index]
-                with _source_context(group.conv.eqn):
+                # The chain's parameters that are known when the program is traced (closed
+                # over) are prepared then (folded, reshaped, widened), not on every call.
+                with _source_context(group.conv.eqn), jax.ensure_compile_time_eval():
                     result = emit(group, read, g, forced.get(id(group)))
                 for var in group.out.top_vars:
                     env[var] = result
@@ -216,7 +218,13 @@ class Rewriter:
             if index in consumed:
                 continue
             invals = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
-            outs = self._bind_rewritten(eqn, invals)
+            # Work on values known when the program is traced (the variables an inference
+            # function closes over: its batch-norm statistics folded, its filters converted)
+            # is done then, once, not on every call.
+            known = bool(invals) and not eqn.effects and \
+                not any(isinstance(v, jax.core.Tracer) for v in invals)
+            with jax.ensure_compile_time_eval() if known else contextlib.nullcontext():
+                outs = self._bind_rewritten(eqn, invals)
             for var, val in zip(eqn.outvars, outs):
                 if not isinstance(var, DropVar):
                     env[var] = val
@@ -311,8 +319,22 @@ class Rewriter:
 
 
 def _emit_batch(batch: ConvertBatch, read: Callable[[Value], Any], env: dict[Any, Any]) -> None:
-    """Binds the batched conversion and gives each converted value its result."""
-    outs = convert_many([read(source) for source in batch.sources], batch.dtypes)
+    """Binds the batched conversion and gives each converted value its result.
+
+    Sources known when the program is traced (variables the jitted function closes over, as
+    an inference server's does) are converted then, once, instead of on every call: their
+    results are constants of the program (converted exactly as the op would)."""
+    sources = [read(source) for source in batch.sources]
+    known = [i for i, s in enumerate(sources) if not isinstance(s, jax.core.Tracer)]
+    traced = [i for i in range(len(sources)) if i not in set(known)]
+    outs: list[Any] = [None] * len(sources)
+    for part, at_trace_time in ((known, True), (traced, False)):
+        if not part:
+            continue
+        with jax.ensure_compile_time_eval() if at_trace_time else contextlib.nullcontext():
+            converted = convert_many([sources[i] for i in part], [batch.dtypes[i] for i in part])
+        for i, out in zip(part, converted):
+            outs[i] = out
     for value, out in zip(batch.values, outs):
         for var in value.top_vars:
             env[var] = out

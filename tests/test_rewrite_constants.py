@@ -1,0 +1,106 @@
+"""Inference functions close over their variables: ``jax.jit(lambda x: fuse(apply)(variables,
+x))``. Whatever ``jaxfuse.fuse`` can compute from values known when the program is traced (the
+batch norm's statistics folded, filters converted to the computation dtype, per-channel
+vectors reshaped) is computed then, once, instead of on every call: the compiled program
+keeps the fused calls and the work on its input. Results are bit-identical to the same
+function taking its variables as arguments."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxfuse as jf
+
+BF16 = jnp.bfloat16
+HWIO = ("NHWC", "HWIO", "NHWC")
+
+
+def _variables(seed: int = 0, c: int = 8) -> dict[str, Any]:
+    """float32 variables of three conv -> batch norm -> relu layers (Flax's param_dtype)."""
+    rng = np.random.default_rng(seed)
+    layers = []
+    for cin in (4, c, c):
+        layers.append({
+            "w": rng.standard_normal((3, 3, cin, c)).astype(np.float32) / np.sqrt(9 * cin),
+            "scale": rng.uniform(0.5, 1.5, c).astype(np.float32),
+            "bias": rng.standard_normal(c).astype(np.float32),
+            "mean": rng.standard_normal(c).astype(np.float32),
+            "var": rng.uniform(0.5, 2.0, c).astype(np.float32),
+        })
+    return jax.tree.map(jnp.asarray, {"layers": layers})
+
+
+def apply(variables: dict[str, Any], x: jax.Array) -> jax.Array:
+    """bfloat16 computation with float32 variables, batch norm written as Flax computes it."""
+    for p in variables["layers"]:
+        y = lax.conv_general_dilated(x, p["w"].astype(BF16), (1, 1), "SAME",
+                                     dimension_numbers=HWIO)
+        factor = (p["scale"] * lax.rsqrt(p["var"] + 1e-5)).reshape(1, 1, 1, -1)
+        y = (y - p["mean"].reshape(1, 1, 1, -1).astype(BF16)) * factor.astype(BF16)
+        x = jax.nn.relu(y + p["bias"].reshape(1, 1, 1, -1).astype(BF16))
+    return x
+
+
+def _input(seed: int = 1) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((2, 9, 9, 4)), BF16)
+
+
+def _primitives(fn: Any, *args: Any) -> collections.Counter[str]:
+    (jit_eqn,) = jax.make_jaxpr(fn)(*args).eqns
+    return collections.Counter(e.primitive.name for e in jit_eqn.params["jaxpr"].jaxpr.eqns)
+
+
+def test_closed_over_variables_are_prepared_once_at_trace_time() -> None:
+    variables, x = _variables(), _input()
+    fused = jf.fuse(apply, solver="fused")
+    closed = jax.jit(lambda x: fused(variables, x))
+    as_arguments = jax.jit(fused)
+    per_call = _primitives(closed, x)
+    # three fused calls (each in its differentiation wrapper) and nothing else
+    assert per_call == collections.Counter({"custom_jvp_call": 3}), per_call
+    # with the variables as arguments the same preparation runs on every call
+    assert _primitives(as_arguments, variables, x)["jaxfuse_convert_many"] == 1
+    got, want = np.asarray(closed(x)), np.asarray(as_arguments(variables, x))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    plain = np.asarray(jax.jit(apply)(variables, x), np.float64)
+    np.testing.assert_allclose(np.asarray(got, np.float64), plain, rtol=2e-2, atol=2e-2)
+
+
+def test_closed_over_and_passed_filters_mix() -> None:
+    """Filters known at trace time are converted then; the ones passed in, in the program."""
+    variables, x = _variables(seed=2), _input(seed=3)
+    fused = jf.fuse(apply, solver="fused")
+
+    def half_closed(first: dict[str, Any], x: jax.Array) -> jax.Array:
+        return fused({"layers": [first, *variables["layers"][1:]]}, x)
+
+    program = jax.jit(half_closed)
+    first = variables["layers"][0]
+    ops = _primitives(program, first, x)
+    assert ops["custom_jvp_call"] == 3 and ops["jaxfuse_convert_many"] <= 1
+    got = np.asarray(program(first, x))
+    want = np.asarray(jax.jit(fused)(variables, x))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_effects_on_known_values_stay_in_the_program() -> None:
+    """A callback on a closed-over value runs on every call, not once when tracing."""
+    variables, x = _variables(seed=4), _input(seed=5)
+    seen = []
+
+    def apply_logged(variables: dict[str, Any], x: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda m: seen.append(float(m)), variables["layers"][0]["mean"][0])
+        return apply(variables, x)
+
+    fused = jf.fuse(apply_logged, solver="fused")
+    program = jax.jit(lambda x: fused(variables, x))
+    jax.block_until_ready(program(x))
+    jax.block_until_ready(program(x))
+    jax.effects_barrier()
+    assert len(seen) == 2, seen
