@@ -56,8 +56,8 @@ def _primitives(fn: Any, *args: Any) -> collections.Counter[str]:
     return collections.Counter(e.primitive.name for e in jit_eqn.params["jaxpr"].jaxpr.eqns)
 
 
-def test_closed_over_variables_are_prepared_once_at_trace_time() -> None:
-    variables, x = _variables(), _input()
+def test_closed_over_variables_are_prepared_once_at_trace_time(device) -> None:
+    variables, x = jax.device_put((_variables(), _input()), device)
     fused = jf.fuse(apply, solver="fused")
     closed = jax.jit(lambda x: fused(variables, x))
     as_arguments = jax.jit(fused)
@@ -66,15 +66,16 @@ def test_closed_over_variables_are_prepared_once_at_trace_time() -> None:
     assert per_call == collections.Counter({"custom_jvp_call": 3}), per_call
     # with the variables as arguments the same preparation runs on every call
     assert _primitives(as_arguments, variables, x)["jaxfuse_convert_many"] == 1
-    got, want = np.asarray(closed(x)), np.asarray(as_arguments(variables, x))
+    with jax.default_device(device):
+        got, want = np.asarray(closed(x)), np.asarray(as_arguments(variables, x))
+        plain = np.asarray(jax.jit(apply)(variables, x), np.float64)
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
-    plain = np.asarray(jax.jit(apply)(variables, x), np.float64)
     np.testing.assert_allclose(np.asarray(got, np.float64), plain, rtol=2e-2, atol=2e-2)
 
 
-def test_closed_over_and_passed_filters_mix() -> None:
+def test_closed_over_and_passed_filters_mix(device) -> None:
     """Filters known at trace time are converted then; the ones passed in, in the program."""
-    variables, x = _variables(seed=2), _input(seed=3)
+    variables, x = jax.device_put((_variables(seed=2), _input(seed=3)), device)
     fused = jf.fuse(apply, solver="fused")
 
     def half_closed(first: dict[str, Any], x: jax.Array) -> jax.Array:
@@ -84,8 +85,9 @@ def test_closed_over_and_passed_filters_mix() -> None:
     first = variables["layers"][0]
     ops = _primitives(program, first, x)
     assert ops["custom_jvp_call"] == 3 and ops["jaxfuse_convert_many"] <= 1
-    got = np.asarray(program(first, x))
-    want = np.asarray(jax.jit(fused)(variables, x))
+    with jax.default_device(device):
+        got = np.asarray(program(first, x))
+        want = np.asarray(jax.jit(fused)(variables, x))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 

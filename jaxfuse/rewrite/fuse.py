@@ -88,6 +88,11 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     filter a Flax model keeps in float32 and computes with in bfloat16) run as one batched
     conversion, one GPU kernel instead of one each; results are bit for bit the same.
 
+    Work on values known when the function is traced is done then, once: an inference
+    function that closes over its variables, ``jax.jit(lambda x: fused(variables, x))``, gets
+    a program of the fused calls and the work on `x` alone (batch norms folded, filters
+    converted at trace time), and JAX passes it one argument instead of every variable.
+
     The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
     ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
     `static_argnames`, as for ``jax.jit``. Works as a decorator.
