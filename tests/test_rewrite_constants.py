@@ -106,3 +106,13 @@ def test_effects_on_known_values_stay_in_the_program() -> None:
     jax.block_until_ready(program(x))
     jax.effects_barrier()
     assert len(seen) == 2, seen
+
+
+def test_known_broadcasts_to_large_shapes_stay_in_the_program() -> None:
+    """A scalar broadcast to an activation's shape is not made a constant: XLA fuses it into
+    its users for free, where a constant would be read on every call."""
+    variables, x = _variables(seed=6), _input(seed=7)
+    fused = jf.fuse(lambda v, x: jnp.minimum(apply(v, x), jnp.full((2, 9, 9, 8), 0.5, BF16)),
+                    solver="fused")
+    ops = _primitives(jax.jit(lambda x: fused(variables, x)), x)
+    assert ops["broadcast_in_dim"] == 1 and ops["custom_jvp_call"] == 3, ops

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, jaxpr_as_fun
 
@@ -226,8 +227,7 @@ class Rewriter:
             # Work on values known when the program is traced (the variables an inference
             # function closes over: its batch-norm statistics folded, its filters converted)
             # is done then, once, not on every call.
-            known = bool(invals) and not eqn.effects and \
-                not any(isinstance(v, jax.core.Tracer) for v in invals)
+            known = _foldable(eqn, invals)
             with jax.ensure_compile_time_eval() if known else contextlib.nullcontext():
                 outs = self._bind_rewritten(eqn, invals)
             for var, val in zip(eqn.outvars, outs):
@@ -321,6 +321,23 @@ class Rewriter:
                     any(self._has_conv(j) for j in _jaxprs_in(e.params)) for e in jaxpr.eqns)
         self._conv_inside[id(jaxpr)] = (jaxpr, found)  # keeps `jaxpr` alive: its id stays unique
         return found
+
+
+# Trace-time work makes results no larger than its operands (a per-channel vector folded,
+# reshaped, converted), or than this many elements: not a scalar broadcast to an activation's
+# shape, which XLA fuses into its users for free and a constant would make every call read.
+_FOLD_MAX_GROWN = 256
+
+
+def _foldable(eqn: JaxprEqn, invals: Sequence[Any]) -> bool:
+    """Whether `eqn` is done when tracing: its operands are all known then, it has no effects,
+    and its results are not much larger than its operands."""
+    if not invals or eqn.effects or any(isinstance(v, jax.core.Tracer) for v in invals):
+        return False
+    size_in = sum(int(getattr(v, "size", 1)) for v in invals)
+    size_out = sum(int(np.prod(v.aval.shape)) for v in eqn.outvars
+                   if hasattr(v.aval, "shape"))
+    return size_out <= max(size_in, _FOLD_MAX_GROWN)
 
 
 def _emit_batch(batch: ConvertBatch, read: Callable[[Value], Any], env: dict[Any, Any]) -> None:
