@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxfuse.bench.__main__ import run_case
+from jaxfuse.bench.__main__ import run_case, same_program
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
 from jaxfuse.bench.timing import batched, wall_times_interleaved
@@ -98,3 +98,29 @@ def test_a_case_reports_every_mode_against_xla(layer: str, chain: str, chained: 
         assert row[f"ratio_{mode}_wall"] == pytest.approx(row["xla_wall_us"]
                                                           / row[f"{mode}_wall_us"])
         assert row[f"{mode}_rel_error_vs_xla"] < 1e-4
+
+
+def test_a_plan_running_xla_s_own_program_takes_xla_s_time() -> None:
+    """Auto mode that runs XLA's composition compiles to XLA's program: timing it again would
+    measure only the machine's noise, so the row takes XLA's time and says so."""
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
+    sets = case.arg_sets(2, device)
+    plan, ops = case.plan(device, solver="xla")
+    assert same_program(batched(case.fused(plan, ops)), batched(case.unfused()), sets)
+    forced, ops = case.plan(device, solver="fused")
+    assert not same_program(batched(case.fused(forced, ops)), batched(case.unfused()), sets)
+
+
+def test_a_case_whose_auto_plan_is_xla_s_program(monkeypatch) -> None:
+    plan = BenchCase.plan
+    # auto mode's measurement picks XLA here
+    monkeypatch.setattr(BenchCase, "plan", lambda self, device, solver: plan(
+        self, device, solver="xla" if solver == "auto" else solver))
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
+    ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False)
+    assert row["auto_solver"] == "xla" and row["auto_same_program_as_xla"]
+    assert row["auto_wall_us"] == row["xla_wall_us"] and row["ratio_auto_wall"] == 1.0
+    assert "fused_same_program_as_xla" not in row

@@ -7,7 +7,8 @@ jaxfuse's own measured choice between the two), both ratios XLA / jaxfuse, the k
 achieved TFLOP/s, and the roofline floor from ceilings measured in the same run; on GPUs
 also the kernel's time as a percentage of a copy of the case's own minimal bytes ("% copy":
 what a memory-bound kernel of that size can reach). It checks the results against XLA's on
-the same inputs, writes JSON and plots the ratios.
+the same inputs, writes JSON and plots the ratios. A plan in auto mode that compiles to XLA's
+own program is not timed again ("xla=" in the auto column): it takes XLA's time.
 
     python -m jaxfuse.bench --suite resnet50 --batch 1 64 --dtype float16 --layout NHWC
 """
@@ -83,12 +84,22 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
             row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
-    programs = {"xla": unfused, **{m: run for m, run in timed.items() if run is not None}}
+    # A plan that runs XLA's composition may compile to XLA's very program: timing it again
+    # measures only the machine's noise (on a 2-core VM, identical programs timed up to 2x
+    # apart), so it takes XLA's time, and the row says so.
+    same = [m for m, run in timed.items()
+            if run is not None and row.get(f"{m}_solver") == "xla" and
+            same_program(run, unfused, args)]
+    programs = {"xla": unfused, **{m: run for m, run in timed.items()
+                                   if run is not None and m not in same}}
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
     statistic = min if device.platform == "cpu" else statistics.median
     for mode, seconds in wall_times_interleaved(programs, args, repeats,
                                                 statistic=statistic).items():
         row[f"{mode}_wall_us"] = seconds * 1e6
+    for mode in same:
+        row[f"{mode}_wall_us"] = row["xla_wall_us"]
+        row[f"{mode}_same_program_as_xla"] = True
     for mode in timed:
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]
@@ -126,6 +137,24 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     return row
 
 
+def same_program(a: Any, b: Any, args: Any) -> bool:
+    """Whether jitted `a` and `b` compile to the same optimized program for `args` (the
+    compiled text with names, metadata and the module's name left out)."""
+    def text(fn: Any) -> str:
+        lines = fn.lower(args).compile().as_text().splitlines()
+        # (the source-location tables name the Python functions that built each program)
+        compiled = "\n".join(line for line in lines if not re.match(
+            r"\s*(\d+ [\"{]|FileNames|FunctionNames|FileLocations|StackFrames)", line))
+        compiled = re.sub(r", metadata=\{[^}]*\}", "", compiled)
+        compiled = re.sub(r"HloModule \S+", "HloModule", compiled)
+        return re.sub(r"[%\w.-]*\.\d+\b|%[\w.-]+", "_", compiled)
+
+    try:
+        return text(a) == text(b)
+    except Exception:  # a program that does not lower here is simply not shown the same
+        return False
+
+
 def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
@@ -146,6 +175,8 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         fused = r.get(f"fused_{kind}_us", nan)
         xla = r.get(f"xla_{kind}_us", nan) or nan
         auto = "xla" if r.get("auto_solver", "").startswith("xla") else "fused"
+        if r.get("auto_same_program_as_xla"):
+            auto = "xla="  # XLA's own program: its time is XLA's
         print(f"{r['case']:<46} {r.get('fused_solver', 'FAILED'):<26} {fused:9.1f} {xla:9.1f} "
               f"{r.get('xla_kernels_per_op') or nan:5.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
