@@ -121,6 +121,15 @@ def test_a_case_whose_auto_plan_is_xla_s_program(monkeypatch) -> None:
     case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
     ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
     row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False)
-    assert row["auto_solver"] == "xla" and row["auto_same_program_as_xla"]
+    assert row["auto_solver"] == "xla" and row["auto_same_program_as"] == "xla"
     assert row["auto_wall_us"] == row["xla_wall_us"] and row["ratio_auto_wall"] == 1.0
-    assert "fused_same_program_as_xla" not in row
+
+
+def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
+    ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=False)
+    twin = "xla" if row["auto_solver"] == "xla" else "fused"
+    assert row["auto_same_program_as"] == twin
+    assert row["auto_wall_us"] == row[f"{twin}_wall_us"]

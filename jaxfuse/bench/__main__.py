@@ -8,7 +8,8 @@ achieved TFLOP/s, and the roofline floor from ceilings measured in the same run;
 also the kernel's time as a percentage of a copy of the case's own minimal bytes ("% copy":
 what a memory-bound kernel of that size can reach). It checks the results against XLA's on
 the same inputs, writes JSON and plots the ratios. A plan in auto mode that compiles to XLA's
-own program is not timed again ("xla=" in the auto column): it takes XLA's time.
+own program, or to the forced kernel's, is not timed again ("xla=" or "fused=" in the auto
+column): it takes that program's time.
 
     python -m jaxfuse.bench --suite resnet50 --batch 1 64 --dtype float16 --layout NHWC
 """
@@ -84,22 +85,25 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
             row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
-    # A plan that runs XLA's composition may compile to XLA's very program: timing it again
-    # measures only the machine's noise (on a 2-core VM, identical programs timed up to 2x
-    # apart), so it takes XLA's time, and the row says so.
-    same = [m for m, run in timed.items()
-            if run is not None and row.get(f"{m}_solver") == "xla" and
-            same_program(run, unfused, args)]
+    # The plan auto mode chose compiles to XLA's program or to the forced kernel's: timing it
+    # again measures only the machine's noise (on a 2-core VM, identical programs timed up to
+    # 2x apart), so it takes its twin's time, and the row says which.
+    twin = None
+    if timed["auto"] is not None:
+        candidates = {"xla": unfused, "fused": timed["fused"]}
+        first = "xla" if row.get("auto_solver") == "xla" else "fused"
+        twin = next((name for name in (first, *candidates) if candidates[name] is not None
+                     and same_program(timed["auto"], candidates[name], args)), None)
     programs = {"xla": unfused, **{m: run for m, run in timed.items()
-                                   if run is not None and m not in same}}
+                                   if run is not None and not (m == "auto" and twin)}}
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
     statistic = min if device.platform == "cpu" else statistics.median
     for mode, seconds in wall_times_interleaved(programs, args, repeats,
                                                 statistic=statistic).items():
         row[f"{mode}_wall_us"] = seconds * 1e6
-    for mode in same:
-        row[f"{mode}_wall_us"] = row["xla_wall_us"]
-        row[f"{mode}_same_program_as_xla"] = True
+    if twin is not None:
+        row["auto_wall_us"] = row[f"{twin}_wall_us"]
+        row["auto_same_program_as"] = twin
     for mode in timed:
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]
@@ -175,8 +179,8 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         fused = r.get(f"fused_{kind}_us", nan)
         xla = r.get(f"xla_{kind}_us", nan) or nan
         auto = "xla" if r.get("auto_solver", "").startswith("xla") else "fused"
-        if r.get("auto_same_program_as_xla"):
-            auto = "xla="  # XLA's own program: its time is XLA's
+        if r.get("auto_same_program_as"):
+            auto += "="  # the same compiled program as XLA's or the forced kernel's: its time
         print(f"{r['case']:<46} {r.get('fused_solver', 'FAILED'):<26} {fused:9.1f} {xla:9.1f} "
               f"{r.get('xla_kernels_per_op') or nan:5.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
