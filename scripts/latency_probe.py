@@ -16,9 +16,7 @@ import argparse
 import collections
 import glob
 import os
-import statistics
 import tempfile
-import time
 
 import jax
 
@@ -66,22 +64,6 @@ def trace_summary(fn, args, calls: int) -> dict:
     }
 
 
-def one_output_alive_seconds(fn, args, calls: int = 20, repeats: int = 7) -> float:
-    """Back-to-back calls, each call's output dropped once the next is queued (a server that
-    hands each result on), rather than all kept: XLA's buffers then stay where they were, and
-    its command buffers need no update."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
@@ -97,15 +79,15 @@ def main() -> None:
     print(f"== {opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
     model, variables, x = model_inputs(opts.model, opts.dtype, opts.batch)
     variables, x = jax.device_put((variables, x))
+    fused = fuse(model.apply, solver=opts.solver)
     programs = {"plain": (jax.jit(model.apply), (variables, x)),
-                opts.solver: (jax.jit(fuse(model.apply, solver=opts.solver)), (variables, x))}
+                opts.solver: (jax.jit(fused), (variables, x))}
     if opts.closure:  # the input the only argument of each call
-        fused = fuse(model.apply, solver=opts.solver)
         programs["plain, variables closed over"] = (
             jax.jit(lambda x: model.apply(variables, x)), (x,))
         programs[f"{opts.solver}, variables closed over"] = (
             jax.jit(lambda x: fused(variables, x)), (x,))
-    report = fusion_report(fuse(model.apply, solver=opts.solver), variables, x)
+    report = fusion_report(fused, variables, x)
     print(f"-- {opts.solver}: {report.fused_calls} fused calls, {len(report.to_xla)} chains left "
           f"to XLA, {report.converts_batched} conversions batched into one op")
     # What JAX and XLA take to dispatch any program of these arguments: one small kernel.
@@ -115,7 +97,7 @@ def main() -> None:
           f"of the input alone {forward_seconds(floor, ((), x), calls=20) * 1e6:.0f} us/call")
     for name, (fn, args) in programs.items():
         wall = forward_seconds(fn, args, calls=20) * 1e6
-        wall_one = one_output_alive_seconds(fn, args) * 1e6
+        wall_one = forward_seconds(fn, args, calls=20, keep_outputs=False) * 1e6
         s = trace_summary(fn, args, opts.calls)
         print(f"-- {name}: wall {wall:.0f} us/call ({wall_one:.0f} with one output alive), "
               f"kernels {s['kernels_per_call']:.0f}/call "

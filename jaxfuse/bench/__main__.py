@@ -89,11 +89,13 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     # again measures only the machine's noise (on a 2-core VM, identical programs timed up to
     # 2x apart), so it takes its twin's time, and the row says which.
     twin = None
-    if timed["auto"] is not None:
+    auto_text = program_text(timed["auto"], args) if timed["auto"] is not None else None
+    if auto_text is not None:
         candidates = {"xla": unfused, "fused": timed["fused"]}
         first = "xla" if row.get("auto_solver") == "xla" else "fused"
-        twin = next((name for name in (first, *candidates) if candidates[name] is not None
-                     and same_program(timed["auto"], candidates[name], args)), None)
+        twin = next((name for name in dict.fromkeys((first, *candidates))
+                     if candidates[name] is not None
+                     and program_text(candidates[name], args) == auto_text), None)
     programs = {"xla": unfused, **{m: run for m, run in timed.items()
                                    if run is not None and not (m == "auto" and twin)}}
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
@@ -141,22 +143,25 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     return row
 
 
-def same_program(a: Any, b: Any, args: Any) -> bool:
-    """Whether jitted `a` and `b` compile to the same optimized program for `args` (the
-    compiled text with names, metadata and the module's name left out)."""
-    def text(fn: Any) -> str:
-        lines = fn.lower(args).compile().as_text().splitlines()
-        # (the source-location tables name the Python functions that built each program)
-        compiled = "\n".join(line for line in lines if not re.match(
-            r"\s*(\d+ [\"{]|FileNames|FunctionNames|FileLocations|StackFrames)", line))
-        compiled = re.sub(r", metadata=\{[^}]*\}", "", compiled)
-        compiled = re.sub(r"HloModule \S+", "HloModule", compiled)
-        return re.sub(r"[%\w.-]*\.\d+\b|%[\w.-]+", "_", compiled)
-
+def program_text(fn: Any, args: Any) -> str | None:
+    """The optimized program jitted `fn` compiles to for `args`, with names, metadata, source
+    locations and the module's name left out (None where it does not compile here)."""
     try:
-        return text(a) == text(b)
-    except Exception:  # a program that does not lower here is simply not shown the same
-        return False
+        lines = fn.lower(args).compile().as_text().splitlines()
+    except Exception:  # a program that does not lower here is simply not compared
+        return None
+    # (the source-location tables name the Python functions that built each program)
+    compiled = "\n".join(line for line in lines if not re.match(
+        r"\s*(\d+ [\"{]|FileNames|FunctionNames|FileLocations|StackFrames)", line))
+    compiled = re.sub(r", metadata=\{[^}]*\}", "", compiled)
+    compiled = re.sub(r"HloModule \S+", "HloModule", compiled)
+    return re.sub(r"[%\w.-]*\.\d+\b|%[\w.-]+", "_", compiled)
+
+
+def same_program(a: Any, b: Any, args: Any) -> bool:
+    """Whether jitted `a` and `b` compile to the same optimized program for `args`."""
+    text = program_text(a, args)
+    return text is not None and text == program_text(b, args)
 
 
 def _geomean(values: list[float]) -> float:

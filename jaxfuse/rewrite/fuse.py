@@ -347,8 +347,9 @@ def _emit_batch(batch: ConvertBatch, read: Callable[[Value], Any], env: dict[Any
     an inference server's does) are converted then, once, instead of on every call: their
     results are constants of the program (converted exactly as the op would)."""
     sources = [read(source) for source in batch.sources]
-    known = [i for i, s in enumerate(sources) if not isinstance(s, jax.core.Tracer)]
-    traced = [i for i in range(len(sources)) if i not in set(known)]
+    is_traced = [isinstance(s, jax.core.Tracer) for s in sources]
+    known = [i for i, t in enumerate(is_traced) if not t]
+    traced = [i for i, t in enumerate(is_traced) if t]
     outs: list[Any] = [None] * len(sources)
     for part, at_trace_time in ((known, True), (traced, False)):
         if not part:
