@@ -16,7 +16,9 @@ import argparse
 import collections
 import glob
 import os
+import statistics
 import tempfile
+import time
 
 import jax
 
@@ -24,24 +26,31 @@ from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, forward_seconds, model_inputs
 
 
-def trace_summary(fn, args, calls: int) -> dict:
-    """Per-call host event times by name and device kernel statistics, from one trace."""
+def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
+    """Per-call host event times by name and device kernel statistics, from one trace of
+    back-to-back calls (every output kept, or each dropped once the next call is queued)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
-            outs = [fn(*args) for _ in range(calls)]
-            jax.block_until_ready(outs)
+            if keep_outputs:
+                out = [fn(*args) for _ in range(calls)]
+            else:
+                for _ in range(calls):
+                    out = fn(*args)
+            jax.block_until_ready(out)
         data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
     host: dict[str, list[float]] = collections.defaultdict(list)
     device: dict[str, list[float]] = collections.defaultdict(list)
+    span = [float("inf"), 0.0]  # first kernel's start, last kernel's end
     for plane in data.planes:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 if line.name.startswith("Stream"):
                     for e in line.events:
                         device[e.name].append(e.duration_ns)
+                        span = [min(span[0], e.start_ns), max(span[1], e.end_ns)]
         elif plane.name.startswith("/host:"):
             for line in plane.lines:
                 for e in line.events:
@@ -53,6 +62,9 @@ def trace_summary(fn, args, calls: int) -> dict:
     return {
         "kernels_per_call": sum(len(v) for v in device.values()) / calls,
         "kernel_us_per_call": sum(sum(v) for v in device.values()) / calls / 1e3,
+        # The device's period a call, gaps included: near the wall time when the device is
+        # what limits back-to-back calls.
+        "device_span_us_per_call": max(span[1] - span[0], 0) / calls / 1e3,
         "graph_launches_per_call": sum(len(v) for k, v in host.items()
                                        if "GraphLaunch" in k) / calls,
         "host_top": top(host, 18),
@@ -62,6 +74,21 @@ def trace_summary(fn, args, calls: int) -> dict:
                                         "custom_call", "Prepare", "ParseArguments"))],
         "device_top": top(device, 12),
     }
+
+
+def fresh_input_seconds(fn, args, pool, calls: int = 20, repeats: int = 7) -> float:
+    """As `forward_seconds` with one output alive, but each call takes the next input of
+    `pool` in place of the last argument."""
+    head = tuple(args[:-1])
+    jax.block_until_ready(fn(*head, pool[0]))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            out = fn(*head, pool[i % len(pool)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -95,13 +122,19 @@ def main() -> None:
     print(f"-- floor (one kernel, the same arguments): wall "
           f"{forward_seconds(floor, (variables, x), calls=20) * 1e6:.0f} us/call; "
           f"of the input alone {forward_seconds(floor, ((), x), calls=20) * 1e6:.0f} us/call")
+    # A server's calls: a new input each time (a pool of distinct arrays, cycled), so XLA
+    # sees the input buffer move, as it does when every output is kept.
+    pool = [jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i in range(8)]
     for name, (fn, args) in programs.items():
         wall = forward_seconds(fn, args, calls=20) * 1e6
         wall_one = forward_seconds(fn, args, calls=20, keep_outputs=False) * 1e6
+        wall_fresh = fresh_input_seconds(fn, args, pool) * 1e6
         s = trace_summary(fn, args, opts.calls)
-        print(f"-- {name}: wall {wall:.0f} us/call ({wall_one:.0f} with one output alive), "
+        print(f"-- {name}: wall {wall:.0f} us/call ({wall_one:.0f} with one output alive, "
+              f"{wall_fresh:.0f} with one alive and a new input each call), "
               f"kernels {s['kernels_per_call']:.0f}/call "
-              f"= {s['kernel_us_per_call']:.0f} us, "
+              f"= {s['kernel_us_per_call']:.0f} us over a device span of "
+              f"{s['device_span_us_per_call']:.0f} us, "
               f"graph launches {s['graph_launches_per_call']:.1f}/call")
         for event, count, us in s["host_top"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {event}")
@@ -111,6 +144,11 @@ def main() -> None:
         print("   device kernels:")
         for kernel, count, us in s["device_top"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {kernel}")
+        one = trace_summary(fn, args, opts.calls, keep_outputs=False)
+        print(f"   with one output alive: kernels {one['kernel_us_per_call']:.0f} us over a "
+              f"device span of {one['device_span_us_per_call']:.0f} us; watched host events:")
+        for event, count, us in one["host_watch"]:
+            print(f"   {us:8.1f} us {count:6.1f}x  {event}")
 
 
 if __name__ == "__main__":
