@@ -346,9 +346,14 @@ NB_MODULE(_jaxfuse_ext, m) {
     out["tunings"] = s.tunings;
     out["records"] = s.records;
     out["record_updates"] = s.record_updates;
+    out["record_update_ns"] = s.record_update_ns;
+    out["tensor_map_encodes"] = s.tensor_map_encodes;
+    out["tensor_map_encode_ns"] = s.tensor_map_encode_ns;
+    out["tensor_map_patches"] = s.tensor_map_patches;
     return out;
-  }, "Counts of kernel compilations, disk-cache hits, device loads and command-buffer records "
-     "in this process.");
+  }, "Counts of kernel compilations, disk-cache hits, device loads, command-buffer records and "
+     "tensor-map encodings in this process, with the host time of record updates and "
+     "encodings.");
 
   m.def("wgmma_function", &jaxfuse::gpu::WgmmaFunction, nb::arg("n"), nb::arg("dtype"),
         nb::arg("b_mn_major"), "The generated wgmma wrapper for one tile width (for probes).");

@@ -9,6 +9,7 @@
 // that node's parameters instead of capturing the call again.
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -133,6 +134,7 @@ struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 template <gpu::Platform kPlatform>
 ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* state,
                   ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> out) {
+  const auto start = std::chrono::steady_clock::now();  // (an update's host time, for stats)
   try {
     const PlanSpec& spec = *state->spec;
     // Loaded here, outside any capture: the bundle has no initialize stage, and a launch XLA
@@ -181,7 +183,10 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
       return ffi::Error(ffi::ErrorCode::kInternal, "jaxfuse: expected one recorded launch");
     }
     gpu::CountRecord(true);
-    return record.UpdateLaunch(commands[0], kernel_args);
+    ffi::Error updated = record.UpdateLaunch(commands[0], kernel_args);
+    gpu::CountRecordUpdateTime(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::steady_clock::now() - start).count());
+    return updated;
   } catch (const std::exception& e) {
     return ffi::Error(ffi::ErrorCode::kInternal, e.what());
   }
