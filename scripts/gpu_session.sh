@@ -13,7 +13,8 @@
 # model:dtype:batches runs (e.g. "resnet50:bfloat16:1,64 mobilenet:float32:64") done in order
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
-# runs of scripts/latency_probe.py, given LATENCY_ARGS too) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets);
+# runs of scripts/latency_probe.py, given LATENCY_ARGS too) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets)
+# and each of LATENCY_ENVS ("|"-separated sets of VAR=value words, e.g. "JAXFUSE_TENSOR_MAP_PATCH=0|");
 # NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain[:filter dtype]]]] runs of scripts/ncu_layer.py profiled by Nsight
 # Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
 # NCU_SOURCE=1: also a PC-sampling pass per fused kernel, its hottest SASS lines printed
@@ -158,15 +159,22 @@ if has latency; then
   deadline=$(( $(date +%s) + ${LATENCY_CAP:-300} ))
   IFS='|' read -ra flag_sets <<< "${LATENCY_FLAGS:-}"
   (( ${#flag_sets[@]} )) || flag_sets=("")
+  IFS='|' read -ra env_sets <<< "${LATENCY_ENVS:-}"
+  (( ${#env_sets[@]} )) || env_sets=("")
   for run in ${LATENCY_RUNS:-resnet50:bfloat16:1}; do
     IFS=: read -r model dtype batch <<< "$run"
-    for flags in "${flag_sets[@]}"; do
-      left=$(( deadline - $(date +%s) ))
-      (( left > 20 )) || { echo "skipped $run [$flags]: out of time"; continue; }
-      # (SIGABRT at the cap: Python's fault handler prints every thread's stack.)
-      XLA_FLAGS="$flags" PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$left" $py scripts/latency_probe.py --model "$model" \
-        --dtype "$dtype" --batch "$batch" ${LATENCY_ARGS:-} >> "$OUT/latency.log" 2>> "$OUT/latency_detail.log"
-      echo "$run [$flags] exit $?"
+    for envs in "${env_sets[@]}"; do
+      for flags in "${flag_sets[@]}"; do
+        left=$(( deadline - $(date +%s) ))
+        (( left > 20 )) || { echo "skipped $run [$envs] [$flags]: out of time"; continue; }
+        [[ -z $envs ]] || echo "== environment: $envs" >> "$OUT/latency.log"
+        # (SIGABRT at the cap: Python's fault handler prints every thread's stack.)
+        # shellcheck disable=SC2086
+        env $envs XLA_FLAGS="$flags" PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$left" \
+          $py scripts/latency_probe.py --model "$model" --dtype "$dtype" --batch "$batch" \
+          ${LATENCY_ARGS:-} >> "$OUT/latency.log" 2>> "$OUT/latency_detail.log"
+        echo "$run [$envs] [$flags] exit $?"
+      done
     done
   done
   cat "$OUT/latency.log"
