@@ -349,7 +349,6 @@ NB_MODULE(_jaxfuse_ext, m) {
     out["record_update_ns"] = s.record_update_ns;
     out["tensor_map_encodes"] = s.tensor_map_encodes;
     out["tensor_map_encode_ns"] = s.tensor_map_encode_ns;
-    out["tensor_map_patches"] = s.tensor_map_patches;
     return out;
   }, "Counts of kernel compilations, disk-cache hits, device loads, command-buffer records and "
      "tensor-map encodings in this process, with the host time of record updates and "

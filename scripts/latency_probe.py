@@ -88,7 +88,7 @@ def handler_stats(fn, args, calls: int) -> dict[str, float]:
     after = extension().gpu_stats()
     return {key: (after.get(key, 0) - before.get(key, 0)) / calls / (1e3 if "_ns" in key else 1)
             for key in ("record_updates", "record_update_ns", "tensor_map_encodes",
-                        "tensor_map_encode_ns", "tensor_map_patches")}
+                        "tensor_map_encode_ns")}
 
 
 def fresh_input_seconds(fn, args, pool, calls: int = 20, repeats: int = 7) -> float:
@@ -164,7 +164,7 @@ def main() -> None:
             print(f"   jaxfuse's handlers a call, every output kept: {h['record_updates']:.1f} "
                   f"record updates in {h['record_update_ns']:.1f} us, "
                   f"{h['tensor_map_encodes']:.1f} tensor maps encoded in "
-                  f"{h['tensor_map_encode_ns']:.1f} us, {h['tensor_map_patches']:.1f} moved")
+                  f"{h['tensor_map_encode_ns']:.1f} us")
         one = trace_summary(fn, args, opts.calls, keep_outputs=False)
         print(f"   with one output alive: kernels {one['kernel_us_per_call']:.0f} us over a "
               f"device span of {one['device_span_us_per_call']:.0f} us; watched host events:")

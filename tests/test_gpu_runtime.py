@@ -586,9 +586,9 @@ def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
     _run_ok_child(_TMA_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma")
 
 
-# Tensor maps made for new buffers by moving a template's address (gpu/runtime.cc) where
-# the address rule checks out, else encoded: each call of a kernel that loads through the copy
-# engine gets a new input (kept alive, so no address repeats) and must match the reference.
+# Tensor maps hold their buffers' addresses (gpu/runtime.cc caches them by address): each call
+# of a kernel that loads through the copy engine gets a new input (kept alive, so no address
+# repeats), must have its maps encoded again, and must match the reference.
 _MOVED_MAPS_CHILD = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -619,22 +619,17 @@ _MOVED_MAPS_CHILD = textwrap.dedent("""
             err = relative_error(out, reference_float64(plan.signature, *operands))
             assert err <= case.tolerance(gpu), (str(case), err)
     after = extension().gpu_stats()
-    print(json.dumps({{key: after[key] - before[key]
-                      for key in ("tensor_map_encodes", "tensor_map_patches")}}))
+    print(json.dumps({{"encodes": after["tensor_map_encodes"] - before["tensor_map_encodes"],
+                      "calls": 6 * len(cases)}}))
     print("ok")
 """)
 
 
-@pytest.mark.parametrize("patch", ["1", "0"])
-def test_tensor_maps_follow_moving_buffers(tmp_path, patch: str) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma",
-           "JAXFUSE_TENSOR_MAP_PATCH": patch}
+def test_tensor_maps_follow_moving_buffers(tmp_path) -> None:
+    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma"}
     done = subprocess.run([sys.executable, "-P", "-c",
                            _MOVED_MAPS_CHILD.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
     counts = json.loads(done.stdout.strip().splitlines()[-2])
-    if patch == "0":
-        assert counts["tensor_map_patches"] == 0, counts
-    else:  # the rule holds on the drivers measured (CUDA 13, 2026-11-27): most maps moved
-        assert counts["tensor_map_patches"] > counts["tensor_map_encodes"], counts
+    assert counts["encodes"] >= counts["calls"], counts  # (the input's map, at least)

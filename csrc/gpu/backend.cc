@@ -277,7 +277,6 @@ void CountRecord(bool update) {
   Count(update ? &BackendStats::record_updates : &BackendStats::records);
 }
 void CountRecordUpdateTime(int64_t ns) { Count(&BackendStats::record_update_ns, ns); }
-void CountTensorMapPatch() { Count(&BackendStats::tensor_map_patches); }
 void CountTensorMapEncode(int64_t ns) {
   std::lock_guard<std::mutex> lock(stats_mu);
   stats.tensor_map_encodes += 1;

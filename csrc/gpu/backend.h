@@ -34,7 +34,6 @@ struct BackendStats {
   int64_t record_update_ns = 0;  // host time the record stage's updates took, in the handler
   int64_t tensor_map_encodes = 0;    // tensor maps encoded for a buffer not seen just before
   int64_t tensor_map_encode_ns = 0;  // ... and the host time the encoding took
-  int64_t tensor_map_patches = 0;    // tensor maps made by moving a template's address
 };
 
 // The kernel for `spec` on device `ordinal`, compiled and loaded on first use. Thread-safe:
@@ -77,6 +76,5 @@ void CountRecord(bool update);
 // Host time of one record-stage update, and of one tensor map encoded (runtime.cc).
 void CountRecordUpdateTime(int64_t ns);
 void CountTensorMapEncode(int64_t ns);
-void CountTensorMapPatch();
 
 }  // namespace jaxfuse::gpu

@@ -683,82 +683,12 @@ bool SameMap(const TensorMapSpec& a, const TensorMapSpec& b) {
 
 }  // namespace
 
-// A map encoded once for a spec, and where in it the buffer's address lives: maps of one spec
-// differ only there, so a map for another buffer is this one with that word moved by the
-// address difference. Nothing documents the map's layout, so the rule is derived and checked
-// per spec: from maps encoded for the template's address and four others (16 bytes to 64 KiB
-// away, before and after), which must differ from the template in one word, by the address
-// difference shifted right by a fixed count, and in no other bit. A spec whose maps do not
-// follow that rule is always encoded.
-struct Driver::MapTemplate {
-  TensorMapSpec spec;
-  TensorMap map;
-  uintptr_t address = 0;
-  int word = -1;  // the address's word; -1: the rule does not hold, encode every map
-  int shift = 0;  // the word holds the address shifted right by this many bits
-};
-
-namespace {
-
-constexpr int64_t kProbeOffsets[] = {16, 256, 65536, -4096};
-
-bool PatchingEnabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAXFUSE_TENSOR_MAP_PATCH");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  return enabled;
-}
-
-// `tmpl.map` moved to `address`, if the template's rule covers it.
-bool Patch(const Driver::MapTemplate& tmpl, const void* address, TensorMap* map) {
-  if (tmpl.word < 0) return false;
-  const int64_t diff = static_cast<int64_t>(reinterpret_cast<uintptr_t>(address) - tmpl.address);
-  if (diff % (int64_t{1} << tmpl.shift) != 0) return false;
-  *map = tmpl.map;
-  map->words[tmpl.word] += static_cast<uint64_t>(diff >> tmpl.shift);
-  return true;
-}
-
-}  // namespace
-
-void Driver::DeriveAddressRule(MapTemplate* tmpl) const {
-  tmpl->word = -1;
-  int word = -1, shift = -1;
-  for (int64_t offset : kProbeOffsets) {
-    const uintptr_t other = tmpl->address + static_cast<uintptr_t>(offset);
-    TensorMap probe;
-    try {
-      EncodeTensorMap(tmpl->spec, reinterpret_cast<const void*>(other), &probe);
-    } catch (const std::exception&) {
-      return;  // (an address the driver refuses: no rule)
-    }
-    if (word < 0) {  // the first probe finds the word and the shift; the others check them
-      for (int i = 0; i < 16; ++i) {
-        if (probe.words[i] == tmpl->map.words[i]) continue;
-        if (word >= 0) return;  // more than one word changed
-        word = i;
-      }
-      if (word < 0) return;  // the address is not in the map at all
-      const uint64_t moved = probe.words[word] - tmpl->map.words[word];
-      for (int s = 0; s <= 8 && shift < 0; ++s) {
-        if (moved == static_cast<uint64_t>(offset >> s)) shift = s;
-      }
-      if (shift < 0) return;
-      tmpl->word = word, tmpl->shift = shift;
-    }
-    TensorMap predicted;
-    if (!Patch(*tmpl, reinterpret_cast<const void*>(other), &predicted) ||
-        std::memcmp(&predicted, &probe, sizeof(TensorMap)) != 0) {
-      tmpl->word = -1;
-      return;
-    }
-  }
-}
-
 const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* address) const {
-  // The maps last made on this thread, by buffer address: XLA hands a program the same
-  // buffers call after call, so most launches find theirs. Per thread: no lock.
+  // The maps last encoded on this thread, by buffer address: XLA hands a program the same
+  // buffers call after call, so most launches skip encoding. Per thread: no lock. (Where the
+  // buffers move on every call, encoding is cheap beside the rest of an update: about 0.15 us
+  // a map, 17 a call for 2.6 us, in a batch-1 ResNet-50 whose command-buffer update took
+  // 158 us; H100, 2026-11-27.)
   struct Entry {
     TensorMapSpec spec;
     const void* address = nullptr;
@@ -766,32 +696,17 @@ const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* 
   };
   constexpr size_t kSlots = 64;
   thread_local Entry slots[kSlots];
-  // A command buffer whose buffers moved (every output of a program kept alive moves XLA's
-  // temporary buffer on each call) updates every launch: moving a template's address costs
-  // an addition where encoding takes a driver call (tensor_map_encode_ns in gpu_stats).
-  thread_local std::vector<MapTemplate> templates;
   const size_t slot = (reinterpret_cast<uintptr_t>(address) / 256 + spec.dims[0] * 31 +
                        spec.dims[1] * 7 + spec.filters) % kSlots;
   Entry& entry = slots[slot];
-  if (entry.address == address && SameMap(entry.spec, spec)) return entry.map;
-  entry.address = nullptr;  // invalid until made (encoding may throw)
-  MapTemplate* tmpl = nullptr;
-  for (MapTemplate& t : templates) {
-    if (SameMap(t.spec, spec)) tmpl = &t;
-  }
-  if (tmpl != nullptr && PatchingEnabled() && Patch(*tmpl, address, &entry.map)) {
-    CountTensorMapPatch();
-  } else {
+  if (entry.address != address || !SameMap(entry.spec, spec)) {
+    entry.address = nullptr;  // invalid until encoded (the encoding may throw)
     const auto start = std::chrono::steady_clock::now();
     EncodeTensorMap(spec, address, &entry.map);
     CountTensorMapEncode(std::chrono::duration_cast<std::chrono::nanoseconds>(
                              std::chrono::steady_clock::now() - start).count());
-    if (tmpl == nullptr && PatchingEnabled() && templates.size() < 256) {
-      templates.push_back({spec, entry.map, reinterpret_cast<uintptr_t>(address)});
-      DeriveAddressRule(&templates.back());
-    }
+    entry.spec = spec, entry.address = address;
   }
-  entry.spec = spec, entry.address = address;
   return entry.map;
 }
 

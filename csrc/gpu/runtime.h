@@ -69,10 +69,8 @@ class Driver {
                          size_t* bytes) const;
   // Encodes `spec` for the buffer at `address` (CUDA; throws where the driver cannot).
   void EncodeTensorMap(const TensorMapSpec& spec, const void* address, TensorMap* map) const;
-  // The same, remembered per thread for the last buffers seen, and for other buffers made
-  // from a map of the same spec where the address rule checks out (see runtime.cc).
+  // The same, remembered per thread for the last buffers seen (see runtime.cc).
   const TensorMap& CachedTensorMap(const TensorMapSpec& spec, const void* address) const;
-  struct MapTemplate;
   // Launches `function` on `stream` with one parameter passed by value: the kernel's parameter
   // block, read from `params` (as many bytes as the kernel declares).
   void LaunchBlock(void* function, unsigned grid, unsigned block, unsigned shared_bytes,
@@ -126,8 +124,6 @@ class Driver {
   void Check(int status, const char* what) const;
   void* PrimaryContext(int ordinal) const;
   class ContextScope;
-  // Finds where `tmpl`'s address lives in its map, by encoding maps for nearby addresses.
-  void DeriveAddressRule(MapTemplate* tmpl) const;
   Platform platform_;
   const Api* api_ = nullptr;
 };
