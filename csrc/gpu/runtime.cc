@@ -686,9 +686,9 @@ bool SameMap(const TensorMapSpec& a, const TensorMapSpec& b) {
 const TensorMap& Driver::CachedTensorMap(const TensorMapSpec& spec, const void* address) const {
   // The maps last encoded on this thread, by buffer address: XLA hands a program the same
   // buffers call after call, so most launches skip encoding. Per thread: no lock. (Where the
-  // buffers move on every call, encoding is cheap beside the rest of an update: about 0.15 us
-  // a map, 17 a call for 2.6 us, in a batch-1 ResNet-50 whose command-buffer update took
-  // 158 us; H100, 2026-11-27.)
+  // buffers move on every call, encoding is cheap beside the rest of an update: 17 maps a
+  // call for 2.6 us in a batch-1 ResNet-50 whose command-buffer update took 158-635 us under
+  // the profiler; H100, 2026-11-27.)
   struct Entry {
     TensorMapSpec spec;
     const void* address = nullptr;
