@@ -546,6 +546,34 @@ def test_a_slow_cpu_candidate_is_still_cut_short(monkeypatch) -> None:
     assert timing.cut_short and timing.device >= 0.02
 
 
+class _FakeStopwatch:
+    """The extension's stopwatch calls, reporting `device_ms` and a tenth of it as host time
+    for every run."""
+
+    def __init__(self, device_ms: float):
+        self.device_ms = device_ms
+
+    def stopwatch_gate(self, stopwatch: int, enabled: bool) -> None:
+        pass
+
+    def stopwatch_read(self, stopwatch: int) -> tuple[float, float, bool, bool]:
+        return self.device_ms, self.device_ms / 10, True, False
+
+
+@pytest.mark.parametrize("device_ms, cut", [(1.0, False), (20.0, True)])
+def test_a_gpu_candidate_is_screened_by_its_stopwatch(monkeypatch, device_ms, cut) -> None:
+    # Each run takes 30 ms by the wall clock (XLA allocating its buffers, say) around a
+    # program whose marks are `device_ms` apart: only the marks count against the 10 ms limit.
+    from jaxfuse import measure
+
+    monkeypatch.setattr(measure, "extension", lambda: _FakeStopwatch(device_ms))
+    harness = measure.Harness(_FaultingProgram(0.03, set()), [(jnp.zeros(4),)], "gpu",
+                              stopwatch=1)
+    timing = harness.run(limit=0.01)[1]
+    assert timing.cut_short == cut
+    assert timing.device == pytest.approx(device_ms * 1e-3)
+
+
 def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
     """A chain whose fused kernel had the shorter candidate time (its launches cheaper) but
     the longer device time, kept XLA's in a device-bound program: the summary gives both parts,
