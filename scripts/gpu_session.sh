@@ -14,7 +14,8 @@
 # until MODELS_CAP is spent; MODEL_SOLVERS, the fused program's solver modes (default "auto
 # fused"; "xla" times the rewrite with every chain left to XLA); LATENCY_RUNS (model:dtype:batch
 # runs of scripts/latency_probe.py, given LATENCY_ARGS too) under each of LATENCY_FLAGS ("|"-separated XLA_FLAGS sets)
-# and each of LATENCY_ENVS ("|"-separated sets of VAR=value words, e.g. "JAXFUSE_TENSOR_MAP_PATCH=0|");
+# and each of LATENCY_ENVS ("|"-separated sets of VAR=value words; an empty set leads, as a trailing one
+# is dropped: e.g. "|JAXFUSE_AUTOTUNE=0");
 # NCU_RUNS, layer:dtype:batch[:layout[:filters[:chain[:filter dtype]]]] runs of scripts/ncu_layer.py profiled by Nsight
 # Compute, the fused kernel and XLA's kernels of the same layer (NCU_CAP seconds in all);
 # NCU_SOURCE=1: also a PC-sampling pass per fused kernel, its hottest SASS lines printed
