@@ -546,6 +546,20 @@ def test_a_slow_cpu_candidate_is_still_cut_short(monkeypatch) -> None:
     assert timing.cut_short and timing.device >= 0.02
 
 
+def test_a_cpu_times_large_filters_cold() -> None:
+    # 3x3 512->512 fp32 at batch 1: 9.4 MB of filters, so the sets' filters must exceed the
+    # cache (4 sets), where the memory budget alone gives one set. Small filters: the budget.
+    from jaxfuse import measure
+
+    cpu, big = jax.devices("cpu")[0], Case(ops="CBNA", dtype="float32", layout="NHWC",
+                                          filter_layout="HWIO", n=1, c=512, h=7, w=7, k=512)
+    plan, _ = big.build()
+    filters = 3 * 3 * 512 * 512 * 4
+    assert measure.set_count(plan.signature, cpu) == -(-measure._CPU_CACHE_BYTES // filters)
+    plan, _ = SMALL.build()  # (a few kB a set: the budget's most)
+    assert measure.set_count(plan.signature, cpu) == measure._MAX_SETS
+
+
 class _FakeStopwatch:
     """The extension's stopwatch calls, reporting `device_ms` and a tenth of it as host time
     for every run."""
