@@ -46,10 +46,15 @@ __all__ = ["TIMING_SCALARS", "Harness", "Timing", "device_timing", "page_faults"
 # (at least, and at most while the time budget lasts).
 _SET_BUDGET = {"cpu": 4 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
-# CPUs: filters this large are timed cold (set_count): the sets' filters together exceed a
-# last-level cache of this size.
-_CPU_COLD_FILTERS = 1 << 20
+# CPUs: filters this large, read for at most _CPU_COLD_PIXELS output pixels a set (so that
+# reading them, not the arithmetic, sets the pace), are timed cold (set_count): the sets'
+# filters together exceed a last-level cache of this size. Others would need more sets than
+# _MAX_SETS, or sets that each take milliseconds: on the 2-core VM (2026-11-27) ResNet-50's
+# 3x3 256 bf16 chain at batch 8 (1.2 MB of filters) took 2.35 s to choose on eight sets and
+# its 3x3 512 chain at batch 8 2.1-2.4 s on four to seven, above issue #11's 2 s.
 _CPU_CACHE_BYTES = 32 << 20
+_CPU_COLD_FILTERS = _CPU_CACHE_BYTES // _MAX_SETS
+_CPU_COLD_PIXELS = 256
 # Input sets up to this many elements are drawn on the host and copied, larger ones on the
 # device (where a program must be compiled first).
 _HOST_RANDOM_ELEMENTS = 1 << 24
@@ -84,8 +89,9 @@ def _platform_kind(device: Any) -> str:
 
 def set_count(signature: PlanSignature, device: Any) -> int:
     """How many distinct input sets fit the harness's memory budget (1 to 8); on CPUs, for
-    filters of :data:`_CPU_COLD_FILTERS` or more, at least enough that their filters together
-    exceed :data:`_CPU_CACHE_BYTES`.
+    filters of :data:`_CPU_COLD_FILTERS` or more read for at most :data:`_CPU_COLD_PIXELS`
+    output pixels, at least enough that their filters together exceed
+    :data:`_CPU_CACHE_BYTES`.
 
     A network reads each layer's filters from memory once a call, so a candidate timed on
     one set of filters, hot in the cache from run to run, is timed in conditions no model
@@ -98,7 +104,8 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     count = int(min(_MAX_SETS, max(1, _SET_BUDGET[kind] // max(nbytes, 1))))
     filters = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands
                   if s.name == "w")
-    if kind == "cpu" and filters >= _CPU_COLD_FILTERS:
+    if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and
+            math.prod(signature.output_shape) <= _CPU_COLD_PIXELS * signature.conv.out_channels):
         count = max(count, min(_MAX_SETS, -(-_CPU_CACHE_BYTES // filters)))
     return count
 
