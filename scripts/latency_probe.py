@@ -23,7 +23,7 @@ import time
 import jax
 
 from jaxfuse import fuse, fusion_report
-from jaxfuse.bench.end_to_end import MODELS, forward_seconds, model_inputs
+from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
@@ -34,12 +34,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
-            if keep_outputs:
-                out = [fn(*args) for _ in range(calls)]
-            else:
-                for _ in range(calls):
-                    out = fn(*args)
-            jax.block_until_ready(out)
+            jax.block_until_ready(back_to_back(fn, args, calls, keep_outputs))
         data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
     host: dict[str, list[float]] = collections.defaultdict(list)
     device: dict[str, list[float]] = collections.defaultdict(list)

@@ -37,6 +37,16 @@ MODELS = {"resnet50": resnet50, "mobilenet": mobilenet,
           "efficientnetb0-independent": EfficientNetB0}
 
 
+def back_to_back(fn: Any, args: tuple[Any, ...], calls: int, keep_outputs: bool = True) -> Any:
+    """Queues `calls` calls of `fn` back to back: every output kept (returned as a list), or
+    each dropped once the next call is queued (the last returned)."""
+    if keep_outputs:
+        return [fn(*args) for _ in range(calls)]
+    for _ in range(calls):
+        out = fn(*args)
+    return out
+
+
 def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: int = 7,
                     keep_outputs: bool = True) -> float:
     """Median over repeats of (time of up to `calls` back-to-back calls) / calls; slow programs
@@ -51,12 +61,7 @@ def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: in
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        if keep_outputs:
-            out = [fn(*args) for _ in range(calls)]
-        else:
-            for _ in range(calls):
-                out = fn(*args)
-        jax.block_until_ready(out)
+        jax.block_until_ready(back_to_back(fn, args, calls, keep_outputs))
         times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
