@@ -39,14 +39,15 @@ def _child(cache_dir: str, extra_env: dict[str, str] | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _run_ok_child(template: str, cache_dir: str, **env_vars: str) -> None:
+def _run_ok_child(template: str, cache_dir: str, **env_vars: str) -> str:
     """Runs a child script (`template`, formatted with the tests' folder) with its own kernel
-    cache and `env_vars`; it must exit 0 and print "ok"."""
+    cache and `env_vars`; it must exit 0 and print "ok". Returns what it printed."""
     env = {**os.environ, "JAXFUSE_CACHE_DIR": cache_dir, **env_vars}
     done = subprocess.run([sys.executable, "-P", "-c",
                            template.format(tests=os.path.dirname(__file__))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
+    return done.stdout
 
 
 def test_second_process_reuses_the_disk_cache(tmp_path) -> None:
@@ -626,10 +627,6 @@ _MOVED_MAPS_CHILD = textwrap.dedent("""
 
 
 def test_tensor_maps_follow_moving_buffers(tmp_path) -> None:
-    env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "JAXFUSE_KERNEL_VARIANT": "conv_tma"}
-    done = subprocess.run([sys.executable, "-P", "-c",
-                           _MOVED_MAPS_CHILD.format(tests=os.path.dirname(__file__))],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-4000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-2])
+    out = _run_ok_child(_MOVED_MAPS_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma")
+    counts = json.loads(out.strip().splitlines()[-2])
     assert counts["encodes"] >= counts["calls"], counts  # (the input's map, at least)
