@@ -208,11 +208,11 @@ class Harness:
 
     def run(self, limit: float | None = None) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
-        times per run (see the class docstring). The first run, which also loads
-        modules and allocates, is not timed; with a `limit`, a second run is timed by wall
-        clock, and if it already exceeds `limit` seconds per run (a candidate far slower than
-        another), that is the result (``cut_short``): a loser needs no precise time, and a
-        slow one costs seconds.
+        times per run (see the class docstring). The first run, which also loads modules and
+        allocates, is not timed; with a `limit`, a second run is timed (by the wall clock on
+        CPUs, by the stopwatch's marks on GPUs), and if it already exceeds `limit` seconds per
+        run (a candidate far slower than another), that is the result (``cut_short``): a
+        loser needs no precise time, and a slow one costs seconds.
 
         On GPUs timed runs keep the outputs of up to :data:`_KEPT_RUNS` runs before them
         alive, as a model's caller does with the results of calls queued back to back: each run then
