@@ -23,7 +23,8 @@
 # independent (0) or each waiting for the previous one (1: --chain, as in a network);
 # SWEEP_ARGS, arguments of scripts/variant_sweep.py (every kernel variant forced; by default
 # MobileNetV2's depthwise layers; SWEEP_CAP);
-# FIND_RUNS, layer:dtype:batch runs of scripts/find_probe.py (the find step's timings, FIND_CAP);
+# FIND_RUNS, layer:dtype:batch[:layout] runs of scripts/find_probe.py (the find step's timings;
+# FIND_CAP; FIND_ARGS: more arguments, e.g. --kernels; FIND_TAIL: lines printed a run);
 # XLA_RUNS, layer:dtype:batch runs of scripts/xla_kernels.py (XLA's kernels for the unfused case).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call
@@ -218,11 +219,11 @@ if has find; then
   echo "== the find step's timings per candidate"
   deadline=$(( $(date +%s) + ${FIND_CAP:-180} ))
   for run in ${FIND_RUNS:-r50_l1_1x1_64:float32:256}; do
-    IFS=: read -r layer dtype batch <<< "$run"
+    IFS=: read -r layer dtype batch layout <<< "$run"
     left=$(( deadline - $(date +%s) ))
     (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
     timeout "$left" $py scripts/find_probe.py --layer "$layer" --dtype "$dtype" --batch "$batch" \
-      2>&1 | grep -v "^W[0-9]" | tee -a "$OUT/find.log" | tail -16
+      --layout "${layout:-NHWC}" ${FIND_ARGS:-} ${FIND_HLO:+--hlo "$OUT/hlo"} 2>&1 | grep -v "^W[0-9]" | tee -a "$OUT/find.log" | tail -"${FIND_TAIL:-24}"
   done
 fi
 if has sweep; then

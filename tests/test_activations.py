@@ -129,3 +129,21 @@ def test_codes_keep_miopen_numbering() -> None:
               "clipped_relu", "leaky_relu", "elu"]
     assert [m.value for m in ActivationMode][:10] == miopen
     assert [m.code for m in ActivationMode] == list(range(len(ActivationMode)))
+
+
+def test_clipped_relu_lowers_as_relu6_does() -> None:
+    # XLA's composition (the find step's candidate, and what runs when XLA wins) must reach
+    # XLA in jax.nn.relu6's form (one clamp): a where/isnan form made XLA materialize the
+    # condition beside NCHW transposes (H100: 216 against 116 us of kernels for a depthwise
+    # chain). Its values and its slopes at the kinks are tested above and in test_transforms.
+    x = jnp.linspace(-2.0, 8.0, 11, dtype=jnp.float32)
+
+    def ops(fn: Any) -> set[str]:
+        text = jax.jit(fn).lower(x).compile().as_text()
+        return {op for op in ("select", "compare", "clamp", "minimum", "maximum")
+                if f" {op}(" in text}
+
+    ours = ops(lambda v: jax_activation("clipped_relu", v, jnp.float32(6.0), 0.0, 0.0))
+    assert ours == ops(jax.nn.relu6) == {"clamp"}
+    np.testing.assert_array_equal(
+        np.asarray(jax_activation("clipped_relu", x, 6.0, 0.0, 0.0)), np.asarray(jax.nn.relu6(x)))
