@@ -92,7 +92,9 @@ def main() -> None:
     parser.add_argument("--suite", default=None)
     parser.add_argument("--ops", default="CBNA")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--filter-layout", default="HWIO")
+    parser.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"])
+    parser.add_argument("--filter-layout", default=None,
+                        help="default: HWIO for NHWC, OIHW for NCHW (as the benchmarks run them)")
     parser.add_argument("--c", type=int, default=64)
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
@@ -101,17 +103,19 @@ def main() -> None:
     parser.add_argument("--stride", type=int, default=1)
     parser.add_argument("--arch", default="sm_90")
     opts = parser.parse_args()
+    filter_layout = opts.filter_layout or ("HWIO" if opts.layout == "NHWC" else "OIHW")
     if opts.suite:
         from jaxfuse.bench.layers import SUITES
 
-        cases = [Case(ops="CBNA", dtype=opts.dtype, layout="NHWC", filter_layout="HWIO", n=opts.n,
+        cases = [Case(ops="CBNA", dtype=opts.dtype, layout=opts.layout,
+                      filter_layout=filter_layout, n=opts.n,
                       c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
                       strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
                       groups=layer.groups) for layer in SUITES[opts.suite]]
     else:
         pad = (opts.r - 1) // 2
-        cases = [Case(ops=opts.ops, dtype=opts.dtype, layout="NHWC",
-                      filter_layout=opts.filter_layout, n=opts.n, c=opts.c, k=opts.k, h=opts.hw,
+        cases = [Case(ops=opts.ops, dtype=opts.dtype, layout=opts.layout,
+                      filter_layout=filter_layout, n=opts.n, c=opts.c, k=opts.k, h=opts.hw,
                       w=opts.hw, r=opts.r, s=opts.r, strides=(opts.stride,) * 2,
                       padding=((pad, pad),) * 2)]
     for case in cases:

@@ -203,10 +203,27 @@ WALKING_DEPTHWISE_CASES = [
 ]
 
 
+# The same geometries in NCHW (the planar depthwise kernel), with each filter layout.
+PLANAR_DEPTHWISE_CASES = [
+    dataclasses.replace(case, layout="NCHW", filter_layout=("OIHW", "HWIO", "OHWI")[i % 3])
+    for i, case in enumerate(DEPTHWISE_CASES)
+]
+
+
 def depthwise_solver(case: Case) -> str:
-    """The GPU solver a depthwise case takes: the depthwise kernels need whole 32-bit words of
-    channels (an even count in fp16/bf16)."""
+    """The GPU solver of a depthwise case's first kernel variant: NHWC's depthwise kernels need
+    whole 32-bit words of channels (an even count in fp16/bf16); NCHW's planar kernel takes
+    filters of up to 9x9 taps."""
+    if case.layout == "NCHW":
+        return "conv_planes" if case.r * case.s <= 81 else "conv_direct"
     return "conv_depthwise" if case.dtype == "float32" or case.c % 2 == 0 else "conv_direct"
+
+
+def depthwise_solvers(case: Case) -> set[str]:
+    """The solvers autotuning may keep for a depthwise case: in NCHW it times the planar kernel
+    against conv_direct (test_gpu_runtime forces the planar one over these cases)."""
+    first = depthwise_solver(case)
+    return {first, "conv_direct"} if first == "conv_planes" else {first}
 
 
 def relative_error(out: Any, ref: np.ndarray) -> float:

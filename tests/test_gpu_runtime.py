@@ -443,6 +443,34 @@ def test_the_walking_depthwise_kernel_is_correct(tmp_path, walk: str) -> None:
     _run_ok_child(_WALK_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=f"conv_depthwise {walk}")
 
 
+# The planar depthwise kernel (NCHW), forced: the edge geometries in every dtype and filter
+# layout (odd channel counts, strides, uneven and negative padding, dilation, 9x9 filters, a
+# side input, per-activation batch norm) and MobileNet's depthwise layers at batch 4, where
+# autotuning could keep conv_direct instead.
+_PLANES_CHILD = textwrap.dedent("""
+    import dataclasses
+    import sys
+    import jax
+    sys.path.insert(0, {tests!r})
+    from cases import PLANAR_DEPTHWISE_CASES, Case, run_forced_cases
+    from jaxfuse.bench.layers import SUITES
+    cases = [dataclasses.replace(c, dtype=d) for c in PLANAR_DEPTHWISE_CASES
+             if c.r * c.s <= 81 for d in ("float32", "float16", "bfloat16")]
+    cases += [Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=4,
+                   c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                   strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
+                   groups=layer.groups, activation=layer.activation or "relu")
+              for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
+              if layer.groups > 1]
+    run_forced_cases(cases, jax.devices("gpu")[0], lambda info: info["solver"] == "conv_planes")
+    print("ok")
+""")
+
+
+def test_the_planar_depthwise_kernel_is_correct(tmp_path) -> None:
+    _run_ok_child(_PLANES_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_planes")
+
+
 # On sm_90 the tiled depthwise kernel copies its windows with the copy engine (the default
 # tests run it); the cp.async form stays a candidate autotuning may keep: forced here, on the
 # edge geometries (negative and uneven padding, dilation, strides) and the walking cases' shapes.

@@ -11,6 +11,7 @@ import os
 import pytest
 from cases import (
     DEPTHWISE_CASES,
+    PLANAR_DEPTHWISE_CASES,
     WALKING_DEPTHWISE_CASES,
     Case,
     compiler_available,
@@ -50,6 +51,8 @@ def expected_solver(case: Case, arch: str, tf32: bool = True) -> str:
         return "conv_igemm"
     if case.groups == case.c == case.k and case.layout == "NHWC" and fl == "HWIO":
         return "conv_depthwise"
+    if case.groups == case.c == case.k and case.layout == "NCHW" and taps <= 81:
+        return "conv_planes"
     if (case.layout == "NHWC" and case.dtype != "float32" and case.groups == 1
             and tuple(case.dilation) == (1, 1) and case.c <= 4 and case.k % 8 == 0
             and case.k <= 128 and (case.w * case.c) % 2 == 0):
@@ -236,6 +239,8 @@ def _suite_cases() -> list[Case]:
             if suite == "resnet50":
                 runs += [("NCHW", "OIHW", dtype, n) for dtype in ("float16", "bfloat16")
                          for n in (1, 64)]
+            else:  # MobileNets in NCHW (the planar depthwise kernel), as the benchmarks run them
+                runs += [("NCHW", "OIHW", "float16", n) for n in (1, 64)]
             if suite == "mobilenetv2":  # fp32 (TF32): few-channel layers gather their reduction
                 runs += [("NHWC", "HWIO", "float32", 64)]
             for layout, fl, dtype, n in runs:
@@ -283,6 +288,22 @@ def test_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
     assert outs[0]["solver"] == depthwise_solver(case)
     if outs[0]["solver"] == "conv_depthwise" and case.r * case.s <= 25:
         assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_depthwise", outs[0]["tile"]
+
+
+# The planar depthwise kernel (NCHW): the same edges in every dtype, each filter layout; its
+# variants are it and conv_direct.
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("case", PLANAR_DEPTHWISE_CASES, ids=str)
+def test_planar_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
+    case = dataclasses.replace(case, dtype=dtype)
+    encoded = case.build()[0].signature.encode()
+    outs = [extension().gpu_compile_only("CUDA", encoded, arch, variant=v) for v in range(2)]
+    assert all(out["binary_bytes"] > 0 for out in outs)
+    assert [out["solver"] for out in outs][:1] == [depthwise_solver(case)]
+    if outs[0]["solver"] == "conv_planes":
+        assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_planes"
+        assert outs[1]["solver"] == "conv_direct"
 
 
 # The pointwise kernel's variants (tensors without a convolution): at batch 1 one vector a

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 import pytest
-from cases import DEPTHWISE_CASES, Case, depthwise_solver, run_case
+from cases import DEPTHWISE_CASES, PLANAR_DEPTHWISE_CASES, Case, depthwise_solvers, run_case
 
 import jaxfuse as jf
 from jaxfuse.activations import ActivationMode
@@ -142,33 +142,35 @@ def test_depthwise_and_wide_pointwise(dtype: str, device) -> None:
         assert depthwise.build()[0].compile(device).solver == "conv_depthwise"
 
 
-@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=str)
+@pytest.mark.parametrize("case", DEPTHWISE_CASES + PLANAR_DEPTHWISE_CASES, ids=str)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_depthwise_edges(case: Case, dtype: str, device) -> None:
     case = dataclasses.replace(case, dtype=dtype)
     run_case(case, device)
     if device.platform == "gpu":
-        assert case.build()[0].compile(device).solver == depthwise_solver(case)
+        assert case.build()[0].compile(device).solver in depthwise_solvers(case)
 
 
 # MobileNet's depthwise layers at batch 16 (tiles as large as at batch 64), on the GPU only (the
-# float64 reference of the 112x112 ones is slow on a CPU): every dtype, the suites' chain.
+# float64 reference of the 112x112 ones is slow on a CPU): every dtype, the suites' chain, in
+# NHWC (the depthwise kernels) and NCHW (the planar one).
 def _mobilenet_depthwise(n: int) -> list[Case]:
     from jaxfuse.bench.layers import SUITES
 
-    return [Case(ops="CBNA", dtype=dtype, layout="NHWC", filter_layout="HWIO", n=n, c=layer.c,
+    return [Case(ops="CBNA", dtype=dtype, layout=layout, filter_layout=fl, n=n, c=layer.c,
                  k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
                  strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
                  groups=layer.groups, activation=layer.activation or "relu")
             for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
-            if layer.groups > 1 for dtype in ("float32", "float16", "bfloat16")]
+            if layer.groups > 1 for dtype in ("float32", "float16", "bfloat16")
+            for layout, fl in (("NHWC", "HWIO"), ("NCHW", "OIHW"))]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", _mobilenet_depthwise(16), ids=str)
 def test_mobilenet_depthwise_layers(case: Case) -> None:
     gpu = jax.devices("gpu")[0]
-    assert case.build()[0].compile(gpu).solver == "conv_depthwise"
+    assert case.build()[0].compile(gpu).solver in depthwise_solvers(case)
     run_case(case, gpu)
 
 

@@ -1166,6 +1166,89 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
   return s.str();
 }
 
+
+// ----- depthwise convolution in NCHW (conv_planes.cuh) ----------------------------------------
+
+// One tiling of the planar depthwise kernel: a CTA computes a th x tw tile of output pixels of
+// `planes` (image, channel) planes, each thread bh outputs of one column.
+struct PlanesTile {
+  int th = 0, tw = 0, bh = 0, planes = 0;
+  int threads = 0;  // 0: the kernel does not apply
+  int64_t ctas = 0;
+  std::string Name() const {
+    return std::to_string(th) + "x" + std::to_string(tw) + " b" + std::to_string(bh) + " p" +
+           std::to_string(planes);
+  }
+};
+
+bool IsPlanarDepthwise(const PlanSpec& spec) {
+  const ConvGeometry& g = spec.conv;
+  return spec.has_conv && g.groups == spec.c && g.k == spec.c &&
+         spec.layout == Layout::kNCHW && !spec.mixed_layouts();
+}
+
+// Static shared memory, and the taps a thread keeps in registers (9x9 at most).
+constexpr int64_t kPlanesSmemBytes = 48 * 1024;
+constexpr int64_t kPlanesMaxTaps = 81;
+
+// The tiling for `spec`: output rows of up to 64 columns whole, wider ones in tiles of 32-64
+// columns (the width that leaves the fewest idle columns); up to 256 threads of 4 rows each a
+// plane; whole small planes several a CTA while the CTAs still fill the device twice over.
+PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device) {
+  const ConvGeometry& g = spec.conv;
+  PlanesTile t;
+  if (!IsPlanarDepthwise(spec) || int64_t{g.r} * g.s > kPlanesMaxTaps ||
+      spec.output_elements() == 0) {
+    return t;
+  }
+  const int64_t p = spec.out_h, q = spec.out_w, plane_count = spec.n * spec.c;
+  int tw = static_cast<int>(std::min<int64_t>(q, 64));
+  if (q > 64) {
+    int64_t fewest = std::numeric_limits<int64_t>::max();
+    for (int width : {32, 40, 48, 56, 64}) {
+      const int64_t covered = (q + width - 1) / width * width;
+      if (covered <= fewest) fewest = covered, tw = width;
+    }
+  }
+  const int bh = static_cast<int>(std::min<int64_t>(4, p));
+  int rows = static_cast<int>(std::min<int64_t>(std::max(1, 256 / tw), (p + bh - 1) / bh));
+  int planes = 1;
+  if (int64_t{rows} * bh >= p && tw >= q) {
+    const int64_t filling = plane_count / (2 * std::max(device.sm_count, 1));
+    planes = static_cast<int>(std::clamp<int64_t>(filling, 1, std::max(1, 256 / (tw * rows))));
+  }
+  const auto smem = [&] {
+    const int64_t wh = int64_t{rows * bh - 1} * g.stride_h + int64_t{g.r - 1} * g.dil_h + 1;
+    const int64_t ww = int64_t{tw - 1} * g.stride_w + int64_t{g.s - 1} * g.dil_w + 1;
+    return planes * wh * ww * 4;
+  };
+  while (smem() > kPlanesSmemBytes) {  // (large strides or dilations)
+    if (planes > 1) {
+      planes = (planes + 1) / 2;
+    } else if (rows > 1) {
+      rows = (rows + 1) / 2;
+    } else if (tw > 8) {
+      tw = (tw + 1) / 2;
+    } else {
+      return t;
+    }
+  }
+  const int th = rows * bh;
+  const int64_t ctas = (plane_count + planes - 1) / planes * ((p + th - 1) / th) *
+                       ((q + tw - 1) / tw);
+  if (ctas > std::numeric_limits<int32_t>::max()) return t;
+  t.th = th, t.tw = tw, t.bh = bh, t.planes = planes, t.threads = tw * rows * planes;
+  t.ctas = ctas;
+  return t;
+}
+
+std::string PlanesConstants(const PlanesTile& t) {
+  Text s;
+  s << "constexpr int kTH = " << t.th << ", kTW = " << t.tw << ", kBH = " << t.bh
+    << ", kPlanes = " << t.planes << ";\n";
+  return s.str();
+}
+
 }  // namespace
 
 namespace {
@@ -1286,6 +1369,7 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
     return static_cast<int>(igemm + StemCandidates(spec, device).size());
   }
   if (IsDepthwise(spec)) return DepthwiseVariants(spec, device);
+  if (PlanesTileFor(spec, device).threads > 0) return 2;  // the planar kernel, conv_direct
   return 1;
 }
 
@@ -1451,6 +1535,18 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       out.entries.push_back(direct);
       return out;
     }
+  }
+  // NCHW depthwise: the planar kernel, or (variant 1, a candidate autotuning times against
+  // it) conv_direct.
+  if (const PlanesTile planes = PlanesTileFor(spec, device); planes.threads > 0 && variant == 0) {
+    out.solver = "conv_planes";
+    out.tile = planes.Name();
+    out.source = TranslationUnit(spec, PlanesConstants(planes),
+                                 {"conv_direct.cuh", "conv_planes.cuh"});
+    out.entries.push_back({"jaxfuse_conv_planes", static_cast<unsigned>(planes.ctas),
+                           static_cast<unsigned>(planes.threads), 0, 1});
+    out.entries.push_back(direct);
+    return out;
   }
   out.solver = "conv_direct";
   out.source = TranslationUnit(spec, "", {"conv_direct.cuh"});

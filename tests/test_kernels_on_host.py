@@ -1,0 +1,89 @@
+"""The planar depthwise kernel (csrc/kernels/conv_planes.cuh) run on the CPU: the code
+generator's translation unit for each case is compiled by the host C++ compiler into
+tests/host/kernel_on_host.cc, which launches it one host thread per GPU thread, and every
+output element is checked against the float64 reference (poisoned beforehand, so an element
+never written fails). Its tiling, halos, padding, strides, dilation, filter layouts and
+epilogue are tested without a GPU; test_gpu_runtime runs the same cases on one."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from cases import PLANAR_DEPTHWISE_CASES, TOLERANCE, Case, relative_error
+
+from jaxfuse._extension import extension
+from jaxfuse.reference import reference_float64
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = ROOT / "tests" / "host" / "kernel_on_host.cc"
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Every edge geometry, each in one dtype (in turns), and two MobileNet-like layers with whole
+# small planes several to a CTA and 56-column tiles of a wide one.
+CASES = [dataclasses.replace(case, dtype=DTYPES[i % 3])
+         for i, case in enumerate(PLANAR_DEPTHWISE_CASES) if case.r * case.s <= 81] + [
+    Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=3, c=40, k=40,
+         groups=40, h=7, w=7, padding=((1, 1), (1, 1)), activation="clipped_relu"),
+    Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=1, c=3, k=3,
+         groups=3, h=61, w=117, strides=(2, 1), padding=((1, 1), (1, 1))),
+]
+
+
+def _compiler() -> str:
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None or not HARNESS.exists():
+        pytest.skip("needs a host C++ compiler and the source tree")
+    return compiler
+
+
+def _host_arrays(case: Case, operands: list[np.ndarray], signature) -> dict[str, np.ndarray]:
+    """The kernel's buffers from the reference's float64 operands (each exactly a value of its
+    buffer's dtype): the data and side input in the plan's dtype, the filters in theirs, the
+    parameters and scalars float32."""
+    dtype = np.dtype(jnp.dtype(case.dtype))
+    filter_dtype = np.dtype(jnp.dtype(case.filter_dtype or case.dtype))
+    names = [spec.name for spec in signature.operands]
+    as_dtype = {"x": dtype, "side": dtype, "w": filter_dtype}
+    return {name: np.asarray(value).astype(as_dtype.get(name, np.float32))
+            for name, value in zip(names, operands)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_planar_depthwise_kernel_on_the_host(case: Case, tmp_path: Path) -> None:
+    compiler = _compiler()
+    plan, handles = case.build()
+    signature = plan.signature
+    out = extension().gpu_compile_only("CUDA", signature.encode(), "sm_90")
+    assert out["solver"] == "conv_planes", out["solver"]
+    entry = out["entries"][0]
+    source = tmp_path / "kernel.inc"
+    source.write_text(out["source"])
+    binary = tmp_path / "kernel_on_host"
+    build = subprocess.run(
+        [compiler, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas",
+         f"-I{ROOT / 'csrc' / 'kernels'}", f'-DKERNEL_SOURCE="{source}"', str(HARNESS),
+         "-o", str(binary)], capture_output=True, text=True, timeout=300)
+    if build.returncode != 0 and "_Float16" in build.stderr:
+        pytest.skip(f"{compiler} has no _Float16 (GCC >= 12 or Clang >= 15 on x86-64 do)")
+    assert build.returncode == 0, build.stderr[-4000:]
+
+    rng = np.random.default_rng(7)
+    _, _, operands = case.random_args(plan, handles, rng)
+    arrays = _host_arrays(case, operands, signature)
+    for name, array in arrays.items():  # (the harness's file names are the operands' names)
+        (tmp_path / f"{name}.bin").write_bytes(np.ascontiguousarray(array).tobytes())
+    run = subprocess.run([str(binary), str(tmp_path), entry["name"], str(entry["grid"]),
+                          str(entry["block"])], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    dtype = jnp.dtype(case.dtype)
+    y = np.frombuffer((tmp_path / "y.bin").read_bytes(), dtype).reshape(signature.output_shape)
+    ref = reference_float64(signature, *operands)
+    err = relative_error(y, ref)  # (asserts no NaN: the poison where nothing was written)
+    assert err <= TOLERANCE[np.dtype(dtype)], f"relative error {err:.3g}"
