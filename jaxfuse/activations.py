@@ -175,6 +175,12 @@ def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, ga
     if mode is ActivationMode.SOFTRELU:
         return jax.nn.softplus(x)
     if mode is ActivationMode.CLIPPED_RELU:
+        # (An integer clip as x's floats, as jnp.where promoted it: a custom JVP's integer
+        # inputs have no tangents to add.)
+        if isinstance(alpha, int):
+            alpha = float(alpha)
+        elif jnp.issubdtype(jnp.result_type(alpha), jnp.integer):
+            alpha = jnp.asarray(alpha).astype(jnp.result_type(x))
         return _clipped_relu(x, alpha)
     if mode is ActivationMode.LEAKY_RELU:
         return jax.nn.leaky_relu(x, alpha)

@@ -24,7 +24,8 @@
 # SWEEP_ARGS, arguments of scripts/variant_sweep.py (every kernel variant forced; by default
 # MobileNetV2's depthwise layers; SWEEP_CAP);
 # FIND_RUNS, layer:dtype:batch[:layout] runs of scripts/find_probe.py (the find step's timings;
-# FIND_CAP; FIND_ARGS: more arguments, e.g. --kernels; FIND_TAIL: lines printed a run);
+# FIND_CAP; FIND_ARGS: more arguments, e.g. --kernels; FIND_TAIL: lines printed a run;
+# FIND_HLO=1: the optimized HLO of XLA's candidate and of the benchmark's program, in $OUT/hlo);
 # XLA_RUNS, layer:dtype:batch runs of scripts/xla_kernels.py (XLA's kernels for the unfused case).
 #
 # Reusing a build: the first call copies the extension into $OUT; carry it back in a later call

@@ -147,3 +147,14 @@ def test_clipped_relu_lowers_as_relu6_does() -> None:
     assert ours == ops(jax.nn.relu6) == {"clamp"}
     np.testing.assert_array_equal(
         np.asarray(jax_activation("clipped_relu", x, 6.0, 0.0, 0.0)), np.asarray(jax.nn.relu6(x)))
+
+
+@pytest.mark.parametrize("alpha", [6, np.int32(6), 6.0], ids=["int", "int32", "float"])
+def test_clipped_relu_differentiates_with_any_clip_type(alpha: Any) -> None:
+    # jax.nn.relu6's slopes (0 at 0 and at the clip) whatever type the clip comes as; values
+    # keep x's dtype as jnp.where's promotion did.
+    x = jnp.asarray([-1.0, 0.0, 3.0, 6.0, 7.0], jnp.bfloat16)
+    grad = jax.grad(lambda v: jax_activation("clipped_relu", v, alpha, 0.0, 0.0)
+                    .astype(jnp.float32).sum())(x)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), [0.0, 0.0, 1.0, 0.0, 0.0])
+    assert jax_activation("clipped_relu", x, alpha, 0.0, 0.0).dtype == jnp.bfloat16
