@@ -15,25 +15,9 @@
 #include <stdexcept>
 #include <vector>
 
-struct Dim3 {
-  unsigned x = 1, y = 1, z = 1;
-};
+#include "device_stubs.h"
+
 static Dim3 blockIdx, threadIdx, gridDim, blockDim;
-#define __device__
-#define __forceinline__ inline
-#define __global__
-#define __launch_bounds__(n)
-#define JF_HIP 1
-static inline float __uint_as_float(unsigned u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline unsigned __float_as_uint(float f) {
-  unsigned u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 #include "kernels/portable.h"
 #include "kernels/convert_table.h"

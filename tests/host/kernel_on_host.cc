@@ -20,31 +20,13 @@
 #include <thread>
 #include <vector>
 
-struct Dim3 {
-  unsigned x = 1, y = 1, z = 1;
-};
+#include "device_stubs.h"
+
 static Dim3 blockIdx, gridDim, blockDim;
 static thread_local Dim3 threadIdx;
 static std::barrier<>* block_barrier = nullptr;
-
-#define __device__
-#define __host__
-#define __forceinline__ inline
-#define __global__
 #define __shared__ static  // one block runs at a time: function statics are its shared memory
-#define __launch_bounds__(...)
 #define __syncthreads() block_barrier->arrive_and_wait()
-#define JF_HIP 1
-static inline float __uint_as_float(unsigned u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline unsigned __float_as_uint(float f) {
-  unsigned u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 
 #include KERNEL_SOURCE
 
