@@ -382,6 +382,14 @@ def test_kernel_compiles_for_amd(case: Case, arch: str) -> None:
 
 @pytest.mark.skipif(not HIPRTC, reason="hiprtc is not installed")
 @pytest.mark.parametrize("arch", AMD_ARCHS)
+@pytest.mark.parametrize("case", PLANAR_DEPTHWISE_CASES, ids=str)
+def test_planar_depthwise_compiles_for_amd(case: Case, arch: str) -> None:
+    out = extension().gpu_compile_only("ROCM", case.build()[0].signature.encode(), arch)
+    assert out["binary_bytes"] > 0 and out["solver"] == depthwise_solver(case)
+
+
+@pytest.mark.skipif(not HIPRTC, reason="hiprtc is not installed")
+@pytest.mark.parametrize("arch", AMD_ARCHS)
 def test_convert_kernel_compiles_for_amd(arch: str) -> None:
     assert extension().gpu_compile_convert("ROCM", arch)["binary_bytes"] > 0
 
