@@ -24,15 +24,21 @@ ROOT = Path(__file__).resolve().parent.parent
 HARNESS = ROOT / "tests" / "host" / "kernel_on_host.cc"
 DTYPES = ("float32", "float16", "bfloat16")
 
-# Every edge geometry, each in one dtype (in turns), and two MobileNet-like layers with whole
-# small planes several to a CTA and 56-column tiles of a wide one.
+# Every edge geometry, each in one dtype (in turns), and layers that take the tiling's other
+# branches: whole small planes several to a CTA, the last CTA's group short (802 planes of
+# 7x7 in threes); tiles along both axes of a wide plane; a window too large for shared memory
+# at the first tiling (stride 4 over 40-column tiles: its rows halved).
 CASES = [dataclasses.replace(case, dtype=DTYPES[i % 3])
          for i, case in enumerate(PLANAR_DEPTHWISE_CASES) if case.r * case.s <= 81] + [
-    Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=3, c=40, k=40,
-         groups=40, h=7, w=7, padding=((1, 1), (1, 1)), activation="clipped_relu"),
+    Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=2, c=401, k=401,
+         groups=401, h=7, w=7, padding=((1, 1), (1, 1)), activation="clipped_relu"),
     Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=1, c=3, k=3,
          groups=3, h=61, w=117, strides=(2, 1), padding=((1, 1), (1, 1))),
+    Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", n=1, c=2, k=2,
+         groups=2, h=100, w=280, strides=(4, 4), padding=((1, 1), (1, 1))),
 ]
+# The tilings those three take (PlanesTileFor), so that they keep testing what they are for.
+BRANCH_TILES = ["8x7 b4 p3", "24x40 b4 p1", "12x40 b4 p1"]
 
 
 def _compiler() -> str:
@@ -61,6 +67,8 @@ def test_planar_depthwise_kernel_on_the_host(case: Case, tmp_path: Path) -> None
     signature = plan.signature
     out = extension().gpu_compile_only("CUDA", signature.encode(), "sm_90")
     assert out["solver"] == "conv_planes", out["solver"]
+    if case in CASES[-len(BRANCH_TILES):]:
+        assert out["tile"] == BRANCH_TILES[CASES.index(case) - len(CASES)], out["tile"]
     entry = out["entries"][0]
     source = tmp_path / "kernel.inc"
     source.write_text(out["source"])
