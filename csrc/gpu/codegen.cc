@@ -1166,7 +1166,6 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
   return s.str();
 }
 
-
 // ----- depthwise convolution in NCHW (conv_planes.cuh) ----------------------------------------
 
 // One tiling of the planar depthwise kernel: a CTA computes a th x tw tile of output pixels of
