@@ -609,3 +609,49 @@ def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
                              "launch work 33.3 us vs 4.1 us)"), lines
     assert lines[2].endswith("XLA chosen by measurement (25.0 us vs 30.0 us fused)"), lines
     assert lines[3].endswith(": XLA chosen"), lines
+
+
+# XLA's candidate must be the chain as a user writes it, operation for operation: the find step
+# times it against the fused kernel and auto mode runs it where it wins. A clipped_relu written
+# as where/isnan, not relu6's clamp, made XLA split the epilogue on a GPU (216 against 116 us
+# of kernels for an NCHW depthwise chain, H100) and the find step keep a slower fused kernel.
+# One layer of the benchmark suites per chain kind, checked against the benchmark's own
+# unfused program (the user's form) by the operations of the optimized HLO on the CPU.
+def _suite_chain_kinds() -> list[tuple[str, str, str]]:
+    from jaxfuse.bench.layers import SUITES
+
+    kinds: dict[tuple, tuple[str, str, str]] = {}
+    for layers in SUITES.values():
+        for layer in layers:
+            chain = ("NA" if not layer.has_conv else "CBNSA" if layer.residual else
+                     "CBNA" if layer.activation else "CBN")
+            for layout in ("NHWC", "NCHW"):
+                key = (chain, layer.activation, layout, layer.groups > 1)
+                kinds.setdefault(key, (layer.name, chain, layout))
+    return list(kinds.values())
+
+
+def _hlo_operations(compiled_text: str) -> dict[str, int]:
+    import collections
+    import re
+
+    ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", compiled_text))
+    for plumbing in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast",
+                     "broadcast", "copy", "reshape", "convert", "transpose", "fusion"):
+        ops.pop(plumbing, None)
+    return dict(ops)
+
+
+@pytest.mark.parametrize("layer,chain,layout", _suite_chain_kinds())
+def test_xla_candidate_is_the_users_chain(layer: str, chain: str, layout: str) -> None:
+    from jaxfuse import measure
+    from jaxfuse.bench.cases import BenchCase
+
+    cpu = jax.devices("cpu")[0]
+    case = BenchCase.for_layer(layer, 1, "float16", layout, chain)
+    plan, _ = case.plan(cpu, solver="xla")
+    candidate = find.xla_function(plan.signature)
+    operands = measure.random_operands(plan.signature, cpu, 1)[0]
+    ours = jax.jit(lambda s: candidate(*s, measure.TIMING_SCALARS)).lower(operands).compile()
+    users = jax.jit(lambda s: case.unfused()(*s)).lower(case.arg_sets(1, cpu)[0]).compile()
+    assert _hlo_operations(ours.as_text()) == _hlo_operations(users.as_text())
