@@ -226,6 +226,25 @@ def depthwise_solvers(case: Case) -> set[str]:
     return {first, "conv_direct"} if first == "conv_planes" else {first}
 
 
+def suite_layers(*suites: str, depthwise: bool | None = None) -> list[Any]:
+    """The benchmark suites' layers (`jaxfuse.bench.layers.SUITES`), in order; `depthwise` keeps
+    only the grouped ones (True) or only the others (False)."""
+    from jaxfuse.bench.layers import SUITES
+
+    return [layer for suite in suites for layer in SUITES[suite]
+            if depthwise is None or (layer.groups > 1) == depthwise]
+
+
+def layer_case(layer: Any, *, dtype: str, layout: str, n: int) -> Case:
+    """A benchmark-suite layer as the benchmarks run it: its chain (CBNA, or CBN without an
+    activation), OIHW filters with NCHW and HWIO filters with NHWC."""
+    return Case(ops="CBNA" if layer.activation else "CBN", dtype=dtype, layout=layout,
+                filter_layout="OIHW" if layout == "NCHW" else "HWIO", n=n, c=layer.c,
+                k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
+                strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
+                groups=layer.groups, activation=layer.activation or "relu")
+
+
 def relative_error(out: Any, ref: np.ndarray) -> float:
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     assert out.shape == ref.shape, (out.shape, ref.shape)

@@ -452,16 +452,11 @@ _PLANES_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
-    from cases import PLANAR_DEPTHWISE_CASES, Case, run_forced_cases
-    from jaxfuse.bench.layers import SUITES
+    from cases import PLANAR_DEPTHWISE_CASES, layer_case, run_forced_cases, suite_layers
     cases = [dataclasses.replace(c, dtype=d) for c in PLANAR_DEPTHWISE_CASES
              if c.r * c.s <= 81 for d in ("float32", "float16", "bfloat16")]
-    cases += [Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=4,
-                   c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
-                   strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
-                   groups=layer.groups, activation=layer.activation or "relu")
-              for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
-              if layer.groups > 1]
+    cases += [layer_case(layer, dtype="bfloat16", layout="NCHW", n=4)
+              for layer in suite_layers("mobilenet", "mobilenetv2", depthwise=True)]
     run_forced_cases(cases, jax.devices("gpu")[0], lambda info: info["solver"] == "conv_planes")
     print("ok")
 """)

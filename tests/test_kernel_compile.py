@@ -16,6 +16,8 @@ from cases import (
     Case,
     compiler_available,
     depthwise_solver,
+    layer_case,
+    suite_layers,
 )
 
 from jaxfuse._extension import extension
@@ -227,29 +229,21 @@ def test_stem_tiles_fit_shared_memory_with_their_static_table() -> None:
 # dropped at run time, but it should not exist (MobileNetV2's 1x1 16->96 once hit a static
 # assertion only large outputs reach).
 def _suite_cases() -> list[Case]:
-    from jaxfuse.bench.layers import SUITES
-
     cases = []
     for suite in ("resnet50", "mobilenetv2", "mobilenet"):
-        for layer in SUITES[suite]:
-            # NHWC with HWIO filters; NCHW with OIHW (as the benchmarks run them) for ResNet-50,
-            # fp16 and bf16 (and fp32 through TF32: test_fp32_plans_compile_on_the_tf32_kernel).
-            runs = [("NHWC", "HWIO", dtype, n)
-                    for dtype, n in (("bfloat16", 1), ("bfloat16", 64), ("float16", 8))]
-            if suite == "resnet50":
-                runs += [("NCHW", "OIHW", dtype, n) for dtype in ("float16", "bfloat16")
-                         for n in (1, 64)]
-            else:  # MobileNets in NCHW (the planar depthwise kernel), as the benchmarks run them
-                runs += [("NCHW", "OIHW", "float16", n) for n in (1, 64)]
-            if suite == "mobilenetv2":  # fp32 (TF32): few-channel layers gather their reduction
-                runs += [("NHWC", "HWIO", "float32", 64)]
-            for layout, fl, dtype, n in runs:
-                ops = "CBNA" if layer.activation else "CBN"
-                cases.append(Case(ops=ops, dtype=dtype, layout=layout, filter_layout=fl,
-                                  n=n, c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r,
-                                  s=layer.r, strides=(layer.stride,) * 2,
-                                  padding=((layer.pad, layer.pad),) * 2, groups=layer.groups,
-                                  activation=layer.activation or "relu"))
+        # NHWC for every layer; NCHW (as the benchmarks run them) in fp16 and bf16 for ResNet-50
+        # (and fp32 through TF32: test_fp32_plans_compile_on_the_tf32_kernel), in fp16 for the
+        # MobileNets (the planar depthwise kernel).
+        runs = [("NHWC", dtype, n) for dtype, n in (("bfloat16", 1), ("bfloat16", 64),
+                                                    ("float16", 8))]
+        if suite == "resnet50":
+            runs += [("NCHW", dtype, n) for dtype in ("float16", "bfloat16") for n in (1, 64)]
+        else:
+            runs += [("NCHW", "float16", n) for n in (1, 64)]
+        if suite == "mobilenetv2":  # fp32 (TF32): few-channel layers gather their reduction
+            runs += [("NHWC", "float32", 64)]
+        cases += [layer_case(layer, dtype=dtype, layout=layout, n=n)
+                  for layer in suite_layers(suite) for layout, dtype, n in runs]
     return cases
 
 
@@ -339,14 +333,9 @@ def test_walking_depthwise_variants_compile(case: Case, arch: str) -> None:
 
 
 def _mobilenet_depthwise_cases() -> list[Case]:
-    from jaxfuse.bench.layers import SUITES
-
-    return [Case(ops="CBNA", dtype=dtype, layout="NHWC", filter_layout="HWIO", n=n, c=layer.c,
-                 k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
-                 strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
-                 groups=layer.groups, activation=layer.activation or "relu")
-            for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
-            if layer.groups > 1 for dtype in ("float16", "float32") for n in (1, 64)]
+    return [layer_case(layer, dtype=dtype, layout="NHWC", n=n)
+            for layer in suite_layers("mobilenet", "mobilenetv2", depthwise=True)
+            for dtype in ("float16", "float32") for n in (1, 64)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

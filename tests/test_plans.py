@@ -7,7 +7,15 @@ import dataclasses
 
 import jax
 import pytest
-from cases import DEPTHWISE_CASES, PLANAR_DEPTHWISE_CASES, Case, depthwise_solvers, run_case
+from cases import (
+    DEPTHWISE_CASES,
+    PLANAR_DEPTHWISE_CASES,
+    Case,
+    depthwise_solvers,
+    layer_case,
+    run_case,
+    suite_layers,
+)
 
 import jaxfuse as jf
 from jaxfuse.activations import ActivationMode
@@ -155,15 +163,9 @@ def test_depthwise_edges(case: Case, dtype: str, device) -> None:
 # float64 reference of the 112x112 ones is slow on a CPU): every dtype, the suites' chain, in
 # NHWC (the depthwise kernels) and NCHW (the planar one).
 def _mobilenet_depthwise(n: int) -> list[Case]:
-    from jaxfuse.bench.layers import SUITES
-
-    return [Case(ops="CBNA", dtype=dtype, layout=layout, filter_layout=fl, n=n, c=layer.c,
-                 k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
-                 strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
-                 groups=layer.groups, activation=layer.activation or "relu")
-            for suite in ("mobilenet", "mobilenetv2") for layer in SUITES[suite]
-            if layer.groups > 1 for dtype in ("float32", "float16", "bfloat16")
-            for layout, fl in (("NHWC", "HWIO"), ("NCHW", "OIHW"))]
+    return [layer_case(layer, dtype=dtype, layout=layout, n=n)
+            for layer in suite_layers("mobilenet", "mobilenetv2", depthwise=True)
+            for dtype in ("float32", "float16", "bfloat16") for layout in ("NHWC", "NCHW")]
 
 
 @pytest.mark.gpu
