@@ -4,6 +4,7 @@ layers (`--kind all`: every layer, e.g. the pointwise NA suite).
 
     python scripts/variant_sweep.py --batch 64 --dtype bfloat16 [--json out.json]
     python scripts/variant_sweep.py --suite na --kind all --batch 1 --variants 8
+    python scripts/variant_sweep.py --layout NCHW --dtype float16 --variants 4  # conv_planes
 
 Every variant runs in its own child process (JAXFUSE_KERNEL_VARIANT is read once a process);
 indices past a plan's last variant repeat it and are printed once. Per layer it prints device
@@ -28,7 +29,7 @@ VARIANTS = 8  # depthwise: 4 tilings, 2 walking, a cp.async twin (sm_90), the ve
 
 
 def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str,
-           kind: str = "depthwise") -> list[Any]:
+           kind: str = "depthwise", layout: str = "NHWC") -> list[Any]:
     from jaxfuse.bench.cases import BenchCase
     from jaxfuse.bench.layers import SUITES
 
@@ -39,7 +40,7 @@ def _cases(suites: list[str], batches: list[int], dtypes: list[str], only: str,
                 continue
             for n in batches:
                 for dtype in dtypes:
-                    case = BenchCase.for_layer(layer, n, dtype, "NHWC", "CBNA")
+                    case = BenchCase.for_layer(layer, n, dtype, layout, "CBNA")
                     if case.label() not in seen:
                         seen.add(case.label())
                         cases.append(case)
@@ -57,7 +58,7 @@ def child(args: argparse.Namespace) -> None:
         return device_time_per_op(run, sets) or wall_time_per_op(run, sets, repeats=3)
 
     device = jax.devices(args.platform)[0]
-    for case in _cases(args.suite, args.batch, args.dtype, args.only, args.kind):
+    for case in _cases(args.suite, args.batch, args.dtype, args.only, args.kind, args.layout):
         row: dict[str, Any] = {"case": case.label(), "variant": args.child}
         try:
             plan, ops = case.plan(device, solver="fused")
@@ -86,6 +87,7 @@ def main() -> int:
                         help="a regular expression on layer names (e.g. 'dw_7|dw_14')")
     parser.add_argument("--kind", default="depthwise", choices=["depthwise", "all"],
                         help="the suites' depthwise layers, or all of them")
+    parser.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"])
     parser.add_argument("--sets", type=int, default=8)
     parser.add_argument("--variants", type=int, default=VARIANTS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per child")
@@ -105,7 +107,7 @@ def main() -> int:
     copy = measure_ceilings(jax.devices(args.platform)[0], matmul_size=256).copy_bandwidth
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s", file=sys.stderr)
     cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only,
-                                          args.kind)}
+                                          args.kind, args.layout)}
     # Rows are printed as each child ends (a sweep cut short by a time cap keeps what it
     # measured): the autotuned choice first, then each distinct variant.
     print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "

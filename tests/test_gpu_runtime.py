@@ -443,7 +443,8 @@ def test_the_walking_depthwise_kernel_is_correct(tmp_path, walk: str) -> None:
     _run_ok_child(_WALK_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=f"conv_depthwise {walk}")
 
 
-# The planar depthwise kernel (NCHW), forced: the edge geometries in every dtype and filter
+# The planar depthwise kernel (NCHW), forced (its default tiling, and its tall one where the
+# planes have one; elsewhere the default again): the edge geometries in every dtype and filter
 # layout (odd channel counts, strides, uneven and negative padding, dilation, 9x9 filters, a
 # side input, per-activation batch norm) and MobileNet's depthwise layers at batch 4, where
 # autotuning could keep conv_direct instead.
@@ -462,8 +463,9 @@ _PLANES_CHILD = textwrap.dedent("""
 """)
 
 
-def test_the_planar_depthwise_kernel_is_correct(tmp_path) -> None:
-    _run_ok_child(_PLANES_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_planes")
+@pytest.mark.parametrize("tiling", ["conv_planes", "conv_planes b8"])
+def test_the_planar_depthwise_kernel_is_correct(tmp_path, tiling: str) -> None:
+    _run_ok_child(_PLANES_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=tiling)
 
 
 # On sm_90 the tiled depthwise kernel copies its windows with the copy engine (the default

@@ -285,19 +285,25 @@ def test_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
 
 
 # The planar depthwise kernel (NCHW): the same edges in every dtype, each filter layout; its
-# variants are it and conv_direct.
+# variants are its tilings (4 rows a thread; the same with registers capped for a whole
+# multiprocessor of threads, up to 3x3 filters; 8 rows a thread where the planes are taller
+# than one tile), then conv_direct.
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", PLANAR_DEPTHWISE_CASES, ids=str)
 def test_planar_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> None:
     case = dataclasses.replace(case, dtype=dtype)
     encoded = case.build()[0].signature.encode()
-    outs = [extension().gpu_compile_only("CUDA", encoded, arch, variant=v) for v in range(2)]
+    count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
+    outs = [extension().gpu_compile_only("CUDA", encoded, arch, variant=v) for v in range(count)]
     assert all(out["binary_bytes"] > 0 for out in outs)
     assert outs[0]["solver"] == depthwise_solver(case)
     if outs[0]["solver"] == "conv_planes":
-        assert outs[0]["entries"][0]["name"] == "jaxfuse_conv_planes"
-        assert outs[1]["solver"] == "conv_direct"
+        assert [out["solver"] for out in outs] == ["conv_planes"] * (count - 1) + ["conv_direct"]
+        assert {out["entries"][0]["name"] for out in outs[:-1]} == {"jaxfuse_conv_planes"}
+        tiles = [out["tile"] for out in outs[:-1]]
+        assert len(set(tiles)) == len(tiles), tiles
+        assert (f"{tiles[0]} o" in " ".join(tiles)) == (case.r * case.s <= 9), tiles
 
 
 # The pointwise kernel's variants (tensors without a convolution): at batch 1 one vector a

@@ -38,7 +38,7 @@ CASES = [dataclasses.replace(case, dtype=DTYPES[i % 3])
          groups=2, h=100, w=280, strides=(4, 4), padding=((1, 1), (1, 1))),
 ]
 # The tilings those three take (PlanesTileFor), so that they keep testing what they are for.
-BRANCH_TILES = ["8x7 b4 p3", "24x40 b4 p1", "12x40 b4 p1"]
+BRANCH_TILES = ["8x7 p3 b4", "24x40 p1 b4", "12x40 p1 b4"]
 
 
 def _compiler() -> str:
@@ -60,14 +60,27 @@ def _host_arrays(case: Case, operands: list[np.ndarray], signature) -> dict[str,
             for name, value in zip(names, operands)}
 
 
+def _tiling(encoded: str, which: str) -> dict:
+    """The planar kernel's default tiling (variant 0), or its tall one (8 rows a thread)."""
+    first = extension().gpu_compile_only("CUDA", encoded, "sm_90")
+    assert first["solver"] == "conv_planes", first["solver"]
+    if which == "default":
+        return first
+    for variant in range(1, first["variants"]):
+        out = extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=variant)
+        if out["solver"] == "conv_planes" and out["tile"].endswith(" b8"):
+            return out
+    pytest.skip("no tall tiling (the planes have too few rows)")
+
+
+@pytest.mark.parametrize("tiling", ["default", "tall"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_planar_depthwise_kernel_on_the_host(case: Case, tmp_path: Path) -> None:
+def test_planar_depthwise_kernel_on_the_host(case: Case, tiling: str, tmp_path: Path) -> None:
     compiler = _compiler()
     plan, handles = case.build()
     signature = plan.signature
-    out = extension().gpu_compile_only("CUDA", signature.encode(), "sm_90")
-    assert out["solver"] == "conv_planes", out["solver"]
-    if case in CASES[-len(BRANCH_TILES):]:
+    out = _tiling(signature.encode(), tiling)
+    if tiling == "default" and case in CASES[-len(BRANCH_TILES):]:
         assert out["tile"] == BRANCH_TILES[CASES.index(case) - len(CASES)], out["tile"]
     entry = out["entries"][0]
     source = tmp_path / "kernel.inc"

@@ -1173,10 +1173,11 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
 struct PlanesTile {
   int th = 0, tw = 0, bh = 0, planes = 0;
   int threads = 0;  // 0: the kernel does not apply
+  int min_blocks = 0;  // > 0: registers capped so that this many CTAs fit a multiprocessor
   int64_t ctas = 0;
   std::string Name() const {
-    return std::to_string(th) + "x" + std::to_string(tw) + " b" + std::to_string(bh) + " p" +
-           std::to_string(planes);
+    return std::to_string(th) + "x" + std::to_string(tw) + " p" + std::to_string(planes) +
+           " b" + std::to_string(bh) + (min_blocks > 0 ? " o" + std::to_string(min_blocks) : "");
   }
 };
 
@@ -1189,11 +1190,13 @@ bool IsPlanarDepthwise(const PlanSpec& spec) {
 // Static shared memory, and the taps a thread keeps in registers (9x9 at most).
 constexpr int64_t kPlanesSmemBytes = 48 * 1024;
 constexpr int64_t kPlanesMaxTaps = 81;
+constexpr int kMaxThreadsPerSm = 2048;
 
-// The tiling for `spec`: output rows of up to 64 columns whole, wider ones in tiles of 32-64
-// columns (the width that leaves the fewest idle columns); up to 256 threads of 4 rows each a
-// plane; whole small planes several a CTA while the CTAs still fill the device twice over.
-PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device) {
+// The tiling for `spec` with `bh` output rows a thread: output rows of up to 64 columns whole,
+// wider ones in tiles of 32-64 columns (the width that leaves the fewest idle columns); up to
+// 256 threads a plane; whole small planes several a CTA while the CTAs still fill the device
+// twice over.
+PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_max = 4) {
   const ConvGeometry& g = spec.conv;
   PlanesTile t;
   if (!IsPlanarDepthwise(spec) || int64_t{g.r} * g.s > kPlanesMaxTaps ||
@@ -1209,7 +1212,7 @@ PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device) {
       if (covered <= fewest) fewest = covered, tw = width;
     }
   }
-  const int bh = static_cast<int>(std::min<int64_t>(4, p));
+  const int bh = static_cast<int>(std::min<int64_t>(bh_max, p));
   int rows = static_cast<int>(std::min<int64_t>(std::max(1, 256 / tw), (p + bh - 1) / bh));
   int planes = 1;
   if (int64_t{rows} * bh >= p && tw >= q) {
@@ -1241,10 +1244,31 @@ PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device) {
   return t;
 }
 
+// The planar kernel's candidates, the first its default: 4 rows a thread; the same with
+// registers for a whole multiprocessor of threads (filters up to 3x3, where the cap costs few
+// spills); 8 rows a thread, a taller window a CTA.
+std::vector<PlanesTile> PlanesCandidates(const PlanSpec& spec, const DeviceInfo& device) {
+  std::vector<PlanesTile> out;
+  const PlanesTile first = PlanesTileFor(spec, device);
+  if (first.threads == 0) return out;
+  out.push_back(first);
+  const int full = kMaxThreadsPerSm / first.threads;
+  if (!device.hip && int64_t{spec.conv.r} * spec.conv.s <= 9 && full > 1) {
+    PlanesTile capped = first;
+    capped.min_blocks = std::min(full, 32);
+    out.push_back(capped);
+  }
+  if (const PlanesTile tall = PlanesTileFor(spec, device, 8);
+      tall.threads > 0 && tall.Name() != first.Name()) {
+    out.push_back(tall);
+  }
+  return out;
+}
+
 std::string PlanesConstants(const PlanesTile& t) {
   Text s;
   s << "constexpr int kTH = " << t.th << ", kTW = " << t.tw << ", kBH = " << t.bh
-    << ", kPlanes = " << t.planes << ";\n";
+    << ", kPlanes = " << t.planes << ", kMinBlocks = " << std::max(t.min_blocks, 1) << ";\n";
   return s.str();
 }
 
@@ -1368,7 +1392,9 @@ int CountVariants(const PlanSpec& spec, const DeviceInfo& device) {
     return static_cast<int>(igemm + StemCandidates(spec, device).size());
   }
   if (IsDepthwise(spec)) return DepthwiseVariants(spec, device);
-  if (PlanesTileFor(spec, device).threads > 0) return 2;  // the planar kernel, conv_direct
+  if (const size_t planes = PlanesCandidates(spec, device).size(); planes > 0) {
+    return static_cast<int>(planes) + 1;  // the planar kernel's tilings, conv_direct
+  }
   return 1;
 }
 
@@ -1535,9 +1561,11 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
       return out;
     }
   }
-  // NCHW depthwise: the planar kernel, or (variant 1, a candidate autotuning times against
-  // it) conv_direct.
-  if (const PlanesTile planes = PlanesTileFor(spec, device); planes.threads > 0 && variant == 0) {
+  // NCHW depthwise: the planar kernel's tilings, or (the last variant, a candidate autotuning
+  // times against them) conv_direct.
+  if (const std::vector<PlanesTile> tiles = PlanesCandidates(spec, device);
+      static_cast<size_t>(variant) < tiles.size()) {
+    const PlanesTile& planes = tiles[variant];
     out.solver = "conv_planes";
     out.tile = planes.Name();
     out.source = TranslationUnit(spec, PlanesConstants(planes),

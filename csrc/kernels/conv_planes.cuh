@@ -35,7 +35,8 @@ static_assert(kPlanes * kWH * kWW * 4 <= 48 * 1024, "the windows fit static shar
 }  // namespace planes
 }  // namespace jaxfuse
 
-extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads)
+extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads,
+                                                   jaxfuse::planes::kMinBlocks)
     jaxfuse_conv_planes(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::planes;
@@ -57,29 +58,54 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads)
   const int ih0 = oh0 * static_cast<int>(SH) - static_cast<int>(PT);
   const int iw0 = ow0 * static_cast<int>(SW) - static_cast<int>(PL);
 
-  for (int e = threadIdx.x; e < kPlanes * kWH * kWW; e += kThreads) {
-    const int col = e % kWW, row = e / kWW % kWH, pl = e / (kWW * kWH);
-    const int ih = ih0 + row, iw = iw0 + col;
-    const i64 plane = plane0 + pl;
-    float v = 0.0f;
-    if (plane < kPlaneCount && ih >= 0 && ih < H && iw >= 0 && iw < W) {
-      v = Io::load(x[(plane * H + ih) * W + iw]);
-    }
-    window[pl][row][col] = v;
-  }
-  __syncthreads();
-
+  // The thread's plane, its taps and its epilogue terms first: their loads do not wait for
+  // the window, so their latency overlaps the window's.
   const int pl = threadIdx.x / kPlaneThreads, in_plane = threadIdx.x % kPlaneThreads;
   const int ty = in_plane / kTW, tx = in_plane % kTW;
   const i64 plane = plane0 + pl;
-  if (plane >= kPlaneCount) return;
-  const i64 c = plane % C;
+  const i64 c = (plane < kPlaneCount ? plane : plane0) % C;  // (a short last group's idle threads)
   float taps[R][S];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int s = 0; s < S; ++s) taps[r][s] = filter_value(w[w_offset(c, 0, r, s)]);
   }
+  const auto terms = ep.channel(c);
+
+  // The window, kFillBatch loads a thread in flight before their stores: a loop of one load
+  // and one store waited out a memory latency per value (2 a thread for a 16x56 tile of 3x3).
+  constexpr int kWindow = kPlanes * kWH * kWW;
+  constexpr int kFillRounds = (kWindow + kThreads - 1) / kThreads;
+  constexpr int kFillBatch = kFillRounds < 8 ? kFillRounds : 8;
+  float* const flat = &window[0][0][0];
+  for (int round0 = 0; round0 < kFillRounds; round0 += kFillBatch) {
+    float v[kFillBatch];
+#pragma unroll
+    for (int j = 0; j < kFillBatch; ++j) {
+      const int e = (round0 + j) * kThreads + static_cast<int>(threadIdx.x);
+      const int col = e % kWW, row = e / kWW % kWH, in_group = e / (kWW * kWH);
+      const int ih = ih0 + row, iw = iw0 + col;
+      const i64 at = plane0 + in_group;
+      v[j] = 0.0f;
+      if (e < kWindow && at < kPlaneCount && ih >= 0 && ih < H && iw >= 0 && iw < W) {
+        v[j] = Io::load(x[(at * H + ih) * W + iw]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kFillBatch; ++j) {
+      const int e = (round0 + j) * kThreads + static_cast<int>(threadIdx.x);
+      if (e < kWindow) flat[e] = v[j];
+    }
+  }
+  // (The taps arrive with the window, not behind the barrier.)
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) arrive_here(taps[r][s]);
+  }
+  __syncthreads();
+  if (plane >= kPlaneCount) return;
+
   float acc[kBH];
 #pragma unroll
   for (int i = 0; i < kBH; ++i) {
@@ -94,7 +120,6 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads)
   }
   const int ow = ow0 + tx;
   if (ow >= Q) return;
-  const auto terms = ep.channel(c);
 #pragma unroll
   for (int i = 0; i < kBH; ++i) {
     const int oh = oh0 + ty * kBH + i;

@@ -58,6 +58,16 @@ JF_DEVICE Vec16 load16(const void* src) {
 #endif
 }
 
+// Makes `v` (a loaded value) arrive here: NVCC sinks a load to its first use, past a barrier
+// that would otherwise have hidden its latency. (On HIP, nothing.)
+JF_DEVICE void arrive_here(float& v) {
+#ifndef JF_HIP
+  asm volatile("" : "+f"(v));
+#else
+  (void)v;
+#endif
+}
+
 // kN floats from `src` (16-byte aligned; kN a multiple of 4) in 16-byte loads.
 template <int kN>
 JF_DEVICE void load_floats(const float* src, float (&dst)[kN]) {
