@@ -23,6 +23,8 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 VARIANTS = 8  # depthwise: 4 tilings, 2 walking, a cp.async twin (sm_90), the vector kernel
@@ -78,6 +80,31 @@ def child(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
 
 
+def _child_rows(command: list[str], env: dict[str, str], timeout: float,
+                name: str) -> Iterator[dict[str, Any]]:
+    """The JSON rows a child prints, each as it is printed; the child is ended after `timeout`
+    seconds, and its error output shown when it fails."""
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=errors,
+                                 text=True)
+        timer = threading.Timer(timeout, child.kill)
+        timer.start()
+        try:
+            for line in child.stdout:
+                if line.startswith("{"):
+                    yield json.loads(line)
+        finally:
+            try:
+                code = child.wait(timeout=30)  # (its output ended: it is exiting)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = child.wait()
+            timer.cancel()
+        if code != 0:
+            errors.seek(0)
+            print(f"{name}: exit {code}\n{errors.read()[-2000:]}", file=sys.stderr)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suite", nargs="+", default=["mobilenet", "mobilenetv2"])
@@ -108,8 +135,8 @@ def main() -> int:
     print(f"copy bandwidth {copy / 1e12:.2f} TB/s", file=sys.stderr)
     cases = {c.label(): c for c in _cases(args.suite, args.batch, args.dtype, args.only,
                                           args.kind, args.layout)}
-    # Rows are printed as each child ends (a sweep cut short by a time cap keeps what it
-    # measured): the autotuned choice first, then each distinct variant.
+    # Rows are printed (and the JSON rewritten) as each case ends, so that a sweep cut short by
+    # a time cap keeps what it measured: the autotuned choice first, then each distinct variant.
     print(f"{'case':<44} {'variant':>7} {'tile':<18} {'us':>8} {'xla us':>8} {'GB/s':>7} "
           f"{'% copy':>6} {'err':>8}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -123,20 +150,9 @@ def main() -> int:
         command = [sys.executable, "-P", os.path.abspath(__file__), "--child", variant,
                    "--suite", *args.suite, "--batch", *map(str, args.batch),
                    "--dtype", *args.dtype, "--only", args.only, "--kind", args.kind,
-                   "--sets", str(args.sets),
+                   "--layout", args.layout, "--sets", str(args.sets),
                    "--platform", args.platform]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
-        except subprocess.TimeoutExpired as err:
-            print(f"variant {variant}: timed out after {args.timeout} s", file=sys.stderr)
-            out = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        else:
-            out = done.stdout
-            if done.returncode != 0:
-                print(f"variant {variant}: exit {done.returncode}\n{done.stderr[-2000:]}",
-                      file=sys.stderr)
-        for r in (json.loads(line) for line in out.splitlines() if line.startswith("{")):
+        for r in _child_rows(command, env, args.timeout, f"variant {variant}"):
             rows.append(r)
             case = cases.get(r["case"])
             if case is None:
@@ -155,9 +171,9 @@ def main() -> int:
             print(f"{r['case']:<44} {r['variant']:>7} {r['tile']!s:<18} {r['us']:8.1f} "
                   f"{xla:8.1f} {gbs:7.0f} {100 * gbs * 1e9 / copy:6.1f} "
                   f"{r['rel_error_vs_xla']:8.1e}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_bandwidth": copy, "rows": rows}, f, indent=1)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"copy_bandwidth": copy, "rows": rows}, f, indent=1)
     return 0
 
 
