@@ -72,29 +72,35 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads,
   }
   const auto terms = ep.channel(c);
 
-  // The window, kFillBatch loads a thread in flight before their stores: a loop of one load
-  // and one store waited out a memory latency per value (2 a thread for a 16x56 tile of 3x3).
-  constexpr int kWindow = kPlanes * kWH * kWW;
-  constexpr int kFillRounds = (kWindow + kThreads - 1) / kThreads;
-  constexpr int kFillBatch = kFillRounds < 8 ? kFillRounds : 8;
-  float* const flat = &window[0][0][0];
-  for (int round0 = 0; round0 < kFillRounds; round0 += kFillBatch) {
-    float v[kFillBatch];
+  // The window: each thread copies its plane's window rows ty, ty + kRowThreads, ... at columns
+  // tx, tx + kTW, ...: all its loads in flight together, each at a constant offset from one
+  // address a column (the loop of one value a step ran 50 instructions a value in index
+  // arithmetic and latency waits: the kernel was issue-bound at a third of the bandwidth).
+  constexpr int kFillRows = (kWH + kRowThreads - 1) / kRowThreads;
+  constexpr int kFillCols = (kWW + kTW - 1) / kTW;
+  {
+    const bool plane_ok = plane < kPlaneCount;
+    const T* const x_plane = x + (plane_ok ? plane : plane0) * (H * W);
+    float* const to = &window[pl][ty][tx];
 #pragma unroll
-    for (int j = 0; j < kFillBatch; ++j) {
-      const int e = (round0 + j) * kThreads + static_cast<int>(threadIdx.x);
-      const int col = e % kWW, row = e / kWW % kWH, in_group = e / (kWW * kWH);
-      const int ih = ih0 + row, iw = iw0 + col;
-      const i64 at = plane0 + in_group;
-      v[j] = 0.0f;
-      if (e < kWindow && at < kPlaneCount && ih >= 0 && ih < H && iw >= 0 && iw < W) {
-        v[j] = Io::load(x[(at * H + ih) * W + iw]);
+    for (int j = 0; j < kFillCols; ++j) {
+      const int col = tx + j * kTW, iw = iw0 + col;
+      if (j * kTW + kTW > kWW && col >= kWW) break;  // (the last step's idle columns)
+      const bool col_ok = plane_ok && iw >= 0 && iw < W;
+      const T* const from = x_plane + (i64{ih0 + ty} * W + iw);  // (row i at i * kRowThreads * W)
+      float v[kFillRows];
+#pragma unroll
+      for (int i = 0; i < kFillRows; ++i) {
+        const int ih = ih0 + ty + i * kRowThreads;
+        v[i] = 0.0f;
+        if (col_ok && ih >= 0 && ih < H) v[i] = Io::load(from[i * kRowThreads * W]);
       }
-    }
 #pragma unroll
-    for (int j = 0; j < kFillBatch; ++j) {
-      const int e = (round0 + j) * kThreads + static_cast<int>(threadIdx.x);
-      if (e < kWindow) flat[e] = v[j];
+      for (int i = 0; i < kFillRows; ++i) {
+        if (i * kRowThreads + kRowThreads <= kWH || ty + i * kRowThreads < kWH) {
+          to[i * kRowThreads * kWW + j * kTW] = v[i];
+        }
+      }
     }
   }
   // (The taps arrive with the window, not behind the barrier.)
