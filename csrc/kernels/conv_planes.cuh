@@ -2,17 +2,19 @@
 // output: each (image, channel) plane is a 2-D stencil of its own, so a CTA works on whole
 // planes' tiles and needs no other channel. Any filter layout (the R x S taps of a channel are
 // read once a thread, through conv_direct.cuh's w_offset), strides, padding and dilation. The
-// code generator (csrc/gpu/codegen.cc: PlanesTileFor) defines the tile constants.
+// code generator (csrc/gpu/codegen.cc: PlanesCandidates) defines the tile constants; its
+// tilings (kBH 4 or 8, registers capped or not by kMinBlocks) are autotuning's candidates.
 //
 // A CTA computes a kTH x kTW tile of output pixels for kPlanes consecutive planes. It copies
 // the tile's input window (halo and zero padding included, converted to fp32) into shared
-// memory, consecutive threads on consecutive input columns, then each thread computes kBH
-// outputs of one column, one below the other (the rows its outputs share are read once from
-// shared memory), and stores them: consecutive threads on consecutive output columns. Small
-// planes are whole tiles, kPlanes of them a CTA. fp32 accumulation in the order conv_direct
-// adds the taps. It replaces conv_direct, one thread an output reading its 9 inputs from global
-// memory, which ran MobileNetV2's fp16 112x112 32-channel layer at batch 64 at 0.76x XLA's
-// transposes around cuDNN's NHWC kernel (H100, 2026-11-27).
+// memory, consecutive threads on consecutive input columns, each thread a few rows with all
+// its loads in flight together. Then each thread computes kBH outputs of one column, one below
+// the other (the rows its outputs share are read once from shared memory), and stores them:
+// consecutive threads on consecutive output columns. Small planes are whole tiles, kPlanes of
+// them a CTA. fp32 accumulation in the order conv_direct adds the taps. It replaces
+// conv_direct, one thread an output reading its 9 inputs from global memory, which ran
+// MobileNetV2's fp16 112x112 32-channel layer at batch 64 at 0.76x XLA's transposes around
+// cuDNN's NHWC kernel (H100, 2026-11-27).
 #pragma once
 
 namespace jaxfuse {
