@@ -4,6 +4,7 @@ counted (tensor-core, bulk-copy, local-memory and 16-byte memory instructions).
 
     python scripts/kernel_report.py --ops CBNA --dtype bfloat16 --c 64 --k 256 --n 64 --hw 56 --r 1
     python scripts/kernel_report.py --suite resnet50 --n 64      # every layer of a bench suite
+    python scripts/kernel_report.py --suite mobilenet --layout NCHW --dtype float16 --n 64 --only dw
 
 Needs nvcc from a CUDA toolkit ($CUDA_HOME, else /usr/local/cuda) and cuobjdump (the
 toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
@@ -12,6 +13,7 @@ toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -23,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from cases import Case  # noqa: E402
+from cases import Case, layer_case, suite_layers  # noqa: E402
 
 from jaxfuse._extension import extension  # noqa: E402
 
@@ -83,13 +85,17 @@ def report(case: Case, arch: str) -> None:
             counts = {label: len(re.findall(rf"\b{re.escape(op)}\b", body))
                       for op, label in OPCODES.items()}
             shown = ", ".join(f"{label} {n}" for label, n in counts.items() if n)
+            # Static instructions (the padding NOPs aside): for straight-line kernels, what a
+            # thread issues, so an issue-bound kernel's cost shows without a GPU.
+            static = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?!NOP)", body, re.M))
             print(f"  {variant}: {out['solver']:<14} {out['tile']:<20} regs {usage.get(main, '?')}"
-                  f"  [{shown}]")
+                  f"  instructions {static}  [{shown}]")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--suite", default=None)
+    parser.add_argument("--only", default="", help="a regular expression on layer names")
     parser.add_argument("--ops", default="CBNA")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layout", default="NHWC", choices=["NHWC", "NCHW"])
@@ -105,13 +111,9 @@ def main() -> None:
     opts = parser.parse_args()
     filter_layout = opts.filter_layout or ("HWIO" if opts.layout == "NHWC" else "OIHW")
     if opts.suite:
-        from jaxfuse.bench.layers import SUITES
-
-        cases = [Case(ops="CBNA", dtype=opts.dtype, layout=opts.layout,
-                      filter_layout=filter_layout, n=opts.n,
-                      c=layer.c, k=layer.k, h=layer.hw, w=layer.hw, r=layer.r, s=layer.r,
-                      strides=(layer.stride,) * 2, padding=((layer.pad, layer.pad),) * 2,
-                      groups=layer.groups) for layer in SUITES[opts.suite]]
+        cases = [dataclasses.replace(layer_case(layer, dtype=opts.dtype, layout=opts.layout,
+                                                n=opts.n), filter_layout=filter_layout)
+                 for layer in suite_layers(opts.suite) if re.search(opts.only, layer.name)]
     else:
         pad = (opts.r - 1) // 2
         cases = [Case(ops=opts.ops, dtype=opts.dtype, layout=opts.layout,
