@@ -37,8 +37,7 @@ static_assert(kPlanes * kWH * kWW * 4 <= 48 * 1024, "the windows fit static shar
 }  // namespace planes
 }  // namespace jaxfuse
 
-extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads,
-                                                   jaxfuse::planes::kMinBlocks)
+extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads, jaxfuse::plan::kMinBlocks)
     jaxfuse_conv_planes(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
   using namespace jaxfuse::planes;
@@ -76,8 +75,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads,
 
   // The window: each thread copies its plane's window rows ty, ty + kRowThreads, ... at columns
   // tx, tx + kTW, ...: all its loads in flight together, each at a constant offset from one
-  // address a column (the loop of one value a step ran 50 instructions a value in index
-  // arithmetic and latency waits: the kernel was issue-bound at a third of the bandwidth).
+  // address a column. (A loop of one value a step spent about 50 instructions a value on index
+  // arithmetic: the kernel was bound by instruction issue at a third of the copy bandwidth.)
   constexpr int kFillRows = (kWH + kRowThreads - 1) / kRowThreads;
   constexpr int kFillCols = (kWW + kTW - 1) / kTW;
   {
