@@ -175,19 +175,41 @@ def jax_activation(mode: str | ActivationMode, x: Any, alpha: Any, beta: Any, ga
     if mode is ActivationMode.SOFTRELU:
         return jax.nn.softplus(x)
     if mode is ActivationMode.CLIPPED_RELU:
-        # (An integer clip as x's floats, as jnp.where promoted it: a custom JVP's integer
-        # inputs have no tangents to add.)
-        if isinstance(alpha, int):
-            alpha = float(alpha)
-        elif jnp.issubdtype(jnp.result_type(alpha), jnp.integer):
-            alpha = jnp.asarray(alpha).astype(jnp.result_type(x))
-        return _clipped_relu(x, alpha)
+        return _clipped_relu(x, _float_parameter(alpha, x))
     if mode is ActivationMode.LEAKY_RELU:
-        return jax.nn.leaky_relu(x, alpha)
+        return _leaky_relu(x, _float_parameter(alpha, x))
     if mode is ActivationMode.ELU:
         return jax.nn.elu(x, alpha)
     # passthru, tanh, abs and power have no kinks jax.nn defines differently.
     return reference_activation(mode, x, alpha, beta, gamma, xp=jnp)
+
+
+def _float_parameter(alpha: Any, x: Any) -> Any:
+    """An integer parameter as floats (x's, as jnp.where's promotion made it): a custom JVP's
+    integer inputs have no tangents to add."""
+    if isinstance(alpha, int):
+        return float(alpha)
+    if jnp.issubdtype(jnp.result_type(alpha), jnp.integer):
+        return jnp.asarray(alpha).astype(jnp.result_type(x))
+    return alpha
+
+
+@jax.custom_jvp
+def _leaky_relu(x: Any, alpha: Any) -> Any:
+    """``x if x > 0 else alpha * x``, the formula the fused kernels compute: at 0 a NaN or
+    infinite alpha gives NaN there, where ``jax.nn.leaky_relu`` (``x >= 0``) gives 0, so the
+    fused kernel and XLA's composition would disagree. The same operations otherwise."""
+    return jnp.where(x > 0, x, alpha * x)
+
+
+@_leaky_relu.defjvp
+def _leaky_relu_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[Any, Any]:
+    # jax.nn.leaky_relu's slopes: 1 at 0, and alpha's tangent only below 0.
+    x, alpha = primals
+    dx, dalpha = tangents
+    at_least_zero = x >= 0
+    tangent = jnp.where(at_least_zero, dx, alpha * dx) + jnp.where(at_least_zero, 0, x * dalpha)
+    return _leaky_relu(x, alpha), tangent.astype(jnp.result_type(x))
 
 
 @jax.custom_jvp

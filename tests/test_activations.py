@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cases import ELEMENT_TOLERANCE, Case
 
+import jaxfuse
 from jaxfuse.activations import (
     ActivationMode,
     activation_mode,
@@ -158,3 +159,43 @@ def test_clipped_relu_differentiates_with_any_clip_type(alpha: Any) -> None:
                     .astype(jnp.float32).sum())(x)
     np.testing.assert_array_equal(np.asarray(grad, np.float32), [0.0, 0.0, 1.0, 0.0, 0.0])
     assert jax_activation("clipped_relu", x, alpha, 0.0, 0.0).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("alpha", [0.1, float("nan"), float("inf"), -float("inf"), 2],
+                         ids=["0.1", "nan", "inf", "-inf", "int"])
+def test_leaky_relu_at_zero_is_the_kernels_formula(alpha: Any) -> None:
+    # XLA's composition and the fused kernels compute x if x > 0 else alpha * x, so a non-finite
+    # alpha gives NaN at 0 from either (jax.nn.leaky_relu's x >= 0 gave 0 there: which one a
+    # plan got depended on the find step's timing). A plan on each solver agrees with the
+    # reference; the composition keeps jax.nn.leaky_relu's operations and slopes.
+    x = np.asarray([-2.0, -0.5, 0.0, 0.5, 2.0, 8.0], np.float32)
+    with np.errstate(invalid="ignore"):
+        want = reference_activation("leaky_relu", x.astype(np.float64), alpha, 0.0, 0.0, xp=np)
+    np.testing.assert_allclose(  # (NaN and infinities where the reference has them)
+        np.asarray(jax_activation("leaky_relu", jnp.asarray(x), alpha, 0.0, 0.0)), want,
+        rtol=1e-6)
+    desc = jaxfuse.TensorDesc((1, 1, 1, 6), "float32", layout="NHWC")
+    for solver in ("fused", "xla"):
+        plan = jaxfuse.FusionPlan(desc)
+        act = plan.add_activation_forward("leaky_relu")
+        plan.compile(jax.devices("cpu")[0], solver=solver)
+        args = jaxfuse.OperatorArgs().set_activation_forward(act, alpha=alpha)
+        np.testing.assert_allclose(np.asarray(plan.execute(x.reshape(1, 1, 1, 6), args)).ravel(),
+                                   want, rtol=1e-6, err_msg=solver)
+
+
+def test_leaky_relu_lowers_and_differentiates_as_jax_nn_does() -> None:
+    x = jnp.linspace(-2.0, 2.0, 9, dtype=jnp.float32)  # (0 among them: the kink)
+
+    def ops(fn: Any) -> list[str]:
+        text = jax.jit(fn).lower(x).compile().as_text()
+        return sorted(op for op in ("select", "compare", "multiply", "maximum", "minimum")
+                      if f" {op}(" in text)
+
+    assert ops(lambda v: jax_activation("leaky_relu", v, 0.1, 0.0, 0.0)) == ops(
+        lambda v: jax.nn.leaky_relu(v, 0.1))
+    for wrt in (0, 1):
+        ours = jax.grad(lambda v, a: jax_activation("leaky_relu", v, a, 0.0, 0.0).sum(),
+                        argnums=wrt)(x, 0.1)
+        theirs = jax.grad(lambda v, a: jax.nn.leaky_relu(v, a).sum(), argnums=wrt)(x, 0.1)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
