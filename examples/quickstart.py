@@ -48,7 +48,9 @@ for trial in range(2):
     y_jit = fused(x, args)
     ref = unfused(x, w, b, scale, shift, mean, var)
     err = float(jnp.max(jnp.abs(y_jit - ref)))
-    assert err < 1e-4 and jnp.array_equal(y_eager, y_jit), err
+    # (Eager and jitted runs agree bit for bit on the fused kernel; where XLA's ops run the plan,
+    # XLA may fuse them differently in the two programs: a rounding apart.)
+    assert err < 1e-4 and float(jnp.max(jnp.abs(y_eager - y_jit))) < 1e-5, err
     print(f"trial {trial}: output {y_jit.shape} {y_jit.dtype}, max |fused - unfused| = {err:.2e}")
 
 print("plan compilations:", jf.cache_info()["compilations"])
