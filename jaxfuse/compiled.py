@@ -113,6 +113,23 @@ def default_device() -> Any:
     return jax.devices()[0]
 
 
+def as_device(device: Any) -> Any:
+    """`device` as a jax device: None is jax's default device, and a platform name ("cpu",
+    "gpu", "cuda", ...) that platform's first device."""
+    if device is None:
+        return default_device()
+    if isinstance(device, str):
+        try:
+            return jax.devices(device)[0]
+        except RuntimeError as err:
+            raise ValueError(f"no {device!r} device to compile for: {err}") from None
+    if not isinstance(device, jax.Device):
+        raise TypeError("device must be a jax.Device (e.g. jax.devices('gpu')[0]) or a "
+                        f"platform name such as 'cpu' or 'gpu', got {type(device).__name__} "
+                        f"{device!r}")
+    return device
+
+
 def compile_signature(signature: PlanSignature, device: Any = None,
                       solver: str | None = None) -> CompiledPlan:
     """Compiles `signature` for `device` once; later calls with an equal signature are hits.
@@ -122,7 +139,7 @@ def compile_signature(signature: PlanSignature, device: Any = None,
     Thread-safe: different signatures compile concurrently (the extension releases the GIL),
     and threads asking for the same one wait for a single compilation.
     """
-    device = default_device() if device is None else device
+    device = as_device(device)
     mode = solver_mode(solver)
     platform = device.platform.lower()
     key = (platform, device.id, signature, mode)

@@ -105,6 +105,16 @@ def test_empty_plan_does_not_compile() -> None:
         _plan().compile()
 
 
+def test_compile_takes_a_device_or_a_platform_name() -> None:
+    plan = jf.FusionPlan(jf.TensorDesc((2, 8, 8, 4), "float32", layout="NHWC"))
+    plan.add_activation_forward("relu")
+    assert plan.compile("cpu").kernel_info["solver"]
+    with pytest.raises(TypeError, match=r"jax\.Device .* or a platform name.*got int 0"):
+        plan.compile(0)
+    with pytest.raises(ValueError, match="no 'tpu' device"):
+        plan.compile("tpu")
+
+
 def test_execute_before_compile_and_after_change() -> None:
     plan, conv = _conv_plan()
     args = jf.OperatorArgs().set_conv_forward(conv, np.ones((6, 4, 3, 3), np.float32))
