@@ -44,8 +44,8 @@ def check_append(ops: list[FusionOp], letter: str) -> None:
     for op in ops:
         if op.letter == letter:
             raise UnsupportedFusionError(
-                f"the plan already has a {name} operator (operator {op.index}); a plan holds "
-                f"at most one of each kind")
+                f"the plan already has {'an' if name[0] in 'aeiou' else 'a'} {name} operator "
+                f"(operator {op.index}); a plan holds at most one of each kind")
 
 
 def check_conv(input_desc: TensorDesc, conv: ConvDesc, filt: TensorDesc) -> ConvSpec:

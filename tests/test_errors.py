@@ -80,7 +80,7 @@ def test_unsupported_orders_name_the_operator() -> None:
     plan.add_activation_forward("relu")
     with pytest.raises(jf.UnsupportedFusionError, match="convolution after the activation"):
         plan.add_conv_forward(jf.ConvDesc(), jf.TensorDesc((4, 4, 1, 1), "float32", "OIHW"))
-    with pytest.raises(jf.UnsupportedFusionError, match="already has a activation"):
+    with pytest.raises(jf.UnsupportedFusionError, match="already has an activation"):
         plan.add_activation_forward("tanh")
     plan2, _ = _conv_plan()
     with pytest.raises(jf.UnsupportedFusionError, match="first operator"):
