@@ -40,17 +40,29 @@ def _compilers(ext: Any) -> list[str]:
             info = ext.gpu_compiler(platform)
             lines.append(f"{platform}: {info['version']} ({info['library']})")
         except RuntimeError as err:
-            first = str(err).splitlines()[0]
-            lines.append(f"{platform}: no {name} ({first})")
+            # (The error names each library tried, one a line: "  <name>: <why>".)
+            tried = [line.strip().split(":")[0] for line in str(err).splitlines()[1:]
+                     if line.startswith("  ")]
+            lines.append(f"{platform}: no {name} (tried {', '.join(tried) or 'nothing'})")
     return lines
 
 
+def _is_decision(key: str) -> bool:
+    """Whether a cache key holds a solver decision (jaxfuse.find) rather than a kernel."""
+    return key.startswith("jaxfuse-solver")
+
+
 def _describe_key(key: str) -> str:
-    """One line for a cache key: platform, arch, compiler, solver and the plan's main facts."""
+    """One line for a cache key: platform, arch (device kind, for a solver decision), compiler
+    (jax, for a decision), solver (the fused kernel's label, for a decision) and the plan's main
+    facts."""
     parts = key.split("|")
-    if len(parts) < 7:
+    if _is_decision(key) and len(parts) >= 9:
+        platform, arch, compiler, solver, plan = parts[1], parts[2], parts[3], parts[7], parts[8]
+    elif len(parts) >= 7:
+        platform, arch, compiler, solver, plan = parts[1], parts[2], parts[3], parts[5], parts[6]
+    else:
         return key
-    platform, arch, compiler, solver, plan = parts[1], parts[2], parts[3], parts[5], parts[6]
     fields = dict(f.split("=", 1) for f in plan.split(";")[1:] if "=" in f)
     conv = fields.get("conv", "")
     geometry = ""
@@ -79,9 +91,11 @@ def info(out: Any = sys.stdout) -> None:
     if cache["problem"]:  # also before first use: the check runs now, creating nothing
         print(f"  not used: {cache['problem']}", file=out)
     keys = sorted(cache["keys"])
-    print(f"  {len(keys)} compiled kernel(s)", file=out)
-    for key in keys:
-        print(f"  {_describe_key(key)}", file=out)
+    decisions = [key for key in keys if _is_decision(key)]
+    print(f"  {len(keys) - len(decisions)} compiled kernel(s), {len(decisions)} solver "
+          "decision(s)", file=out)
+    for key in sorted(keys, key=_is_decision):
+        print(f"  {'decision ' if _is_decision(key) else ''}{_describe_key(key)}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from cases import Case
 
 from jaxfuse import compiled, runtime
 from jaxfuse._extension import extension
@@ -315,6 +316,26 @@ def test_info_says_why_an_unsafe_cache_directory_is_off(tmp_path) -> None:
     assert f"kernel cache: {directory}\n" in out
     assert f"  not used: {directory} is writable by other users" in out
     assert "0 compiled kernel(s)" in out and "secret-plan-key" not in out
+
+
+def test_info_tells_decisions_from_kernels_and_names_the_compilers_tried() -> None:
+    from jaxfuse import __main__ as cli
+
+    signature = Case(ops="CBNA", layout="NHWC", filter_layout="HWIO", n=1, c=16, k=64, h=7,
+                     w=7, r=1, s=1, padding="VALID").build()[0].signature.encode()
+    decision = ("jaxfuse-solver-v4|cpu|cpu 2 cpus, 2 threads|jax 0.10.2|jaxlib 0.10.2|jaxfuse "
+                f"0.1.0 kernels 16f1|xla_flags c016|cpu|{signature}")
+    line = cli._describe_key(decision)
+    assert cli._is_decision(decision) and "?" not in line
+    assert line.split()[:2] == ["cpu", "cpu"] and "CBNA" in line and "1x1/1 ->64" in line
+
+    class NoCompiler:
+        def gpu_compiler(self, platform: str) -> dict:
+            raise RuntimeError("jaxfuse: cannot load the runtime compiler (NVRTC); tried:\n"
+                               "  libnvrtc.so.13: cannot open shared object file\n"
+                               "  libnvrtc.so: cannot open shared object file\nInstall it")
+
+    assert cli._compilers(NoCompiler())[0] == "CUDA: no NVRTC (tried libnvrtc.so.13, libnvrtc.so)"
 
 
 # A process whose user has no home directory: HOME unset and no password-file entry.
