@@ -161,6 +161,7 @@ def test_clipped_relu_differentiates_with_any_clip_type(alpha: Any) -> None:
     assert jax_activation("clipped_relu", x, alpha, 0.0, 0.0).dtype == jnp.bfloat16
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")  # inf*0
 @pytest.mark.parametrize("alpha", [0.1, float("nan"), float("inf"), -float("inf"), 2],
                          ids=["0.1", "nan", "inf", "-inf", "int"])
 def test_leaky_relu_at_zero_is_the_kernels_formula(alpha: Any) -> None:
