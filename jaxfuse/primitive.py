@@ -9,6 +9,7 @@ here.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -109,7 +110,13 @@ def _impl(*args: Any, signature: PlanSignature) -> Any:
 
 def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
-    rule = jax.ffi.ffi_lowering(_target(ctx))
+    target = _target(ctx)
+    rule = jax.ffi.ffi_lowering(target)
+    if target != FFI_TARGET and os.environ.get("JAXFUSE_PDL", "1") != "0":
+        # XLA's command buffer may then start the kernel before the previous kernel ends:
+        # the launch overlaps that kernel's last wave, and the kernel waits for it first
+        # (csrc/kernels/portable.h: await_previous_kernel).
+        return rule(ctx, *args, plan=signature.encode(), uses_pdl=True)
     return rule(ctx, *args, plan=signature.encode())
 
 

@@ -108,6 +108,7 @@ def test_ffi_handler_checks_every_buffer(compiled, device) -> None:
     ({"plan": 5}, "attribute"),
     ({"plan": np.int64(7)}, "attribute"),
     ({"plan": "x", "other": 1}, "attributes"),
+    ({"plan": "x", "uses_pdl": 1}, "'uses_pdl' must be a bool"),
 ])
 def test_ffi_handler_checks_its_attributes(compiled, attributes, message, device) -> None:
     sig = compiled

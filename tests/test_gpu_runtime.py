@@ -240,14 +240,16 @@ _RECORDED_CHILD = textwrap.dedent("""
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jax.nn.relu(y + b)
 
-    def net(x, w1, b1, w2, b2):
-        return layer(layer(x, w1, b1) * 0.5, w2, b2)
+    def net(x, w1, b1, w2, b2, w3, b3):
+        return layer(layer(layer(x, w1, b1) * 0.5, w2, b2), w3, b3)
 
     rng = np.random.default_rng(0)
     def rand(*shape):
         return jnp.asarray(rng.uniform(-1, 1, shape), jnp.float16)
-    params = (rand(3, 3, 16, 32) * 0.2, rand(32), rand(3, 3, 32, 24) * 0.2, rand(24))
+    params = (rand(3, 3, 16, 32) * 0.2, rand(32), rand(3, 3, 32, 24) * 0.2, rand(24),
+              rand(3, 3, 24, 24) * 0.2, rand(24))
     fused, plain = jax.jit(jf.fuse(net, solver="fused")), jax.jit(net)
+    hlo = fused.lower(rand(2, 12, 12, 16), *params).as_text()
     outs, refs = [], []
     for _ in range(6):
         x = rand(2, 12, 12, 16)
@@ -258,23 +260,26 @@ _RECORDED_CHILD = textwrap.dedent("""
     stats = extension().gpu_stats()
     print(json.dumps({"target": record_target(), "records": stats["records"],
                       "updates": stats["record_updates"], "error": error,
+                      "pdl": "uses_pdl = true" in hlo,
                       "built_with_record": hasattr(extension(), "register_cuda_record")}))
 """)
 
 
 # With XLA's default flags a program this small may stay out of command buffers; with a
-# minimum graph size of 1 both fused calls are in one; with command buffers off the execute
-# stage loads each kernel itself (the record-stage bundle has no initialize stage).
-@pytest.mark.parametrize("mode", ["default", "graphs", "off"])
+# minimum graph size of 1 the fused calls are in one, the last two with programmatic edges
+# between them (each kernel may start before the previous one ends), or without
+# (JAXFUSE_PDL=0); with command buffers off the execute stage loads each kernel itself (the
+# record-stage bundle has no initialize stage).
+@pytest.mark.parametrize("mode", ["default", "graphs", "graphs without pdl", "off"])
 def test_recorded_launches_follow_moving_buffers(tmp_path, mode: str) -> None:
-    graphs = mode == "graphs"
+    graphs = mode.startswith("graphs")
     flags = {"default": "", "off": "--xla_gpu_enable_command_buffer=",
              "graphs": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                       "--xla_gpu_graph_min_graph_size=1"}[mode]
+                       "--xla_gpu_graph_min_graph_size=1"}[mode.split()[0]]
     # (Poisoned outputs take a memset before each launch, which XLA captures instead; here
     # every output is compared with XLA's, and a stale buffer would not match.)
     env = {**os.environ, "JAXFUSE_CACHE_DIR": str(tmp_path), "XLA_FLAGS": flags,
-           "JAXFUSE_POISON_OUTPUTS": "0"}
+           "JAXFUSE_POISON_OUTPUTS": "0", "JAXFUSE_PDL": "0" if "without" in mode else "1"}
     done = subprocess.run([sys.executable, "-P", "-c", _RECORDED_CHILD], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -282,6 +287,7 @@ def test_recorded_launches_follow_moving_buffers(tmp_path, mode: str) -> None:
     assert out["error"] < 1e-2, out
     if out["built_with_record"]:  # (jax >= 0.11 headers: the build has the record stage)
         assert out["target"] is not None, out  # registered past jaxlib (_extension.py)
+        assert out["pdl"] == ("without" not in mode), out
         if graphs:
             assert out["records"] >= 2 and out["updates"] >= 2, out
 
@@ -463,7 +469,8 @@ _PLANES_CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("tiling", ["conv_planes", "conv_planes b8"])
+@pytest.mark.parametrize("tiling", ["conv_planes", "conv_planes b8", "conv_planes b4 c2",
+                                    "conv_planes b8 c2"])
 def test_the_planar_depthwise_kernel_is_correct(tmp_path, tiling: str) -> None:
     _run_ok_child(_PLANES_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=tiling)
 

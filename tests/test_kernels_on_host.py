@@ -36,9 +36,13 @@ CASES = [dataclasses.replace(case, dtype=DTYPES[i % 3])
          groups=3, h=61, w=117, strides=(2, 1), padding=((1, 1), (1, 1))),
     Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", n=1, c=2, k=2,
          groups=2, h=100, w=280, strides=(4, 4), padding=((1, 1), (1, 1))),
+    # Two columns a thread where the window's first column is odd through a negative padding.
+    Case(ops="CBNA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=2, c=5, k=5,
+         groups=5, h=12, w=14, padding=((1, 1), (-1, 1)), activation="clipped_relu"),
 ]
 # The tilings those three take (PlanesTileFor), so that they keep testing what they are for.
 BRANCH_TILES = ["8x7 p3 b4", "24x40 p1 b4", "12x40 p1 b4"]
+BRANCH_CASES = CASES[-4:-1]
 
 
 def _compiler() -> str:
@@ -60,28 +64,33 @@ def _host_arrays(case: Case, operands: list[np.ndarray], signature) -> dict[str,
             for name, value in zip(names, operands)}
 
 
+# The tilings tested, by how their names end (codegen.cc: PlanesTile::Name): the default (4 rows
+# a thread), 8 rows, and 4 and 8 rows of two columns a thread.
+TILINGS = {"default": None, "tall": " b8", "pairs": " b4 c2", "tall pairs": " b8 c2"}
+
+
 def _tiling(encoded: str, which: str) -> dict:
-    """The planar kernel's default tiling (variant 0), or its tall one (8 rows a thread)."""
+    """The planar kernel's variant of the tiling named `which` (variant 0 for the default)."""
     first = extension().gpu_compile_only("CUDA", encoded, "sm_90")
     assert first["solver"] == "conv_planes", first["solver"]
-    if which == "default":
+    if TILINGS[which] is None:
         return first
     for variant in range(1, first["variants"]):
         out = extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=variant)
-        if out["solver"] == "conv_planes" and out["tile"].endswith(" b8"):
+        if out["solver"] == "conv_planes" and out["tile"].endswith(TILINGS[which]):
             return out
-    pytest.skip("no tall tiling (the planes have too few rows)")
+    pytest.skip(f"no {which} tiling for these planes")
 
 
-@pytest.mark.parametrize("tiling", ["default", "tall"])
+@pytest.mark.parametrize("tiling", list(TILINGS))
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_planar_depthwise_kernel_on_the_host(case: Case, tiling: str, tmp_path: Path) -> None:
     compiler = _compiler()
     plan, handles = case.build()
     signature = plan.signature
     out = _tiling(signature.encode(), tiling)
-    if tiling == "default" and case in CASES[-len(BRANCH_TILES):]:
-        assert out["tile"] == BRANCH_TILES[CASES.index(case) - len(CASES)], out["tile"]
+    if tiling == "default" and case in BRANCH_CASES:
+        assert out["tile"] == BRANCH_TILES[BRANCH_CASES.index(case)], out["tile"]
     entry = out["entries"][0]
     source = tmp_path / "kernel.inc"
     source.write_text(out["source"])

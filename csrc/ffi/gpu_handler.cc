@@ -170,9 +170,12 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
       const XLA_FFI_LaunchDims dims{{static_cast<int32_t>(entry.grid), 1, 1},
                                     {static_cast<int32_t>(entry.block), 1, 1},
                                     {0, 0, 0}};  // (cluster shapes are compiled in)
+      // Every kernel waits for the previous one first (portable.h: await_previous_kernel), so
+      // the node may start before it ends where the call's 'uses_pdl' attribute lets XLA
+      // make its edges programmatic.
       auto command = record.CreateLaunch(entry.name.c_str(), kernel.binary.data(),
                                          kernel.binary.size(), ffi::SourceFormat::kCubin, dims,
-                                         entry.shared_bytes, /*uses_pdl=*/false, kernel_args);
+                                         entry.shared_bytes, /*uses_pdl=*/true, kernel_args);
       if (command.has_error()) return command.error();
       recorded.store(static_cast<int>(entry_index) + 1);
       gpu::CountRecord(false);

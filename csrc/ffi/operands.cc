@@ -25,11 +25,17 @@ ffi::Error Mismatch(const std::string& what) {
 }  // namespace
 
 ffi::Error PlanAttribute(const ffi::Dictionary& attrs, std::string_view* plan) {
-  if (attrs.size() != 1 || !attrs.contains("plan")) {
+  // 'uses_pdl' is XLA's: a command buffer may start the kernel before the previous one ends
+  // (each kernel waits for it first: portable.h, await_previous_kernel).
+  const size_t expected = 1 + (attrs.contains("uses_pdl") ? 1 : 0);
+  if (attrs.size() != expected || !attrs.contains("plan")) {
     std::string names;
     for (std::string_view name : attrs) names += (names.empty() ? " " : ", ") + std::string(name);
-    return Mismatch("the custom call takes one attribute, 'plan'; got " +
+    return Mismatch("the custom call takes the attribute 'plan' (and XLA's 'uses_pdl'); got " +
                     std::to_string(attrs.size()) + " attributes" + names);
+  }
+  if (expected == 2 && attrs.get<bool>("uses_pdl").has_error()) {
+    return Mismatch("the attribute 'uses_pdl' must be a bool");
   }
   auto value = attrs.get<std::string_view>("plan");
   if (value.has_error()) return Mismatch("the attribute 'plan' must be a string");

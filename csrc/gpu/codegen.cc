@@ -1169,15 +1169,16 @@ std::string DepthwiseConstants(const DepthwiseTile& t) {
 // ----- depthwise convolution in NCHW (conv_planes.cuh) ----------------------------------------
 
 // One tiling of the planar depthwise kernel: a CTA computes a th x tw tile of output pixels of
-// `planes` (image, channel) planes, each thread bh outputs of one column.
+// `planes` (image, channel) planes, each thread bh x cw outputs (bh rows of cw columns).
 struct PlanesTile {
-  int th = 0, tw = 0, bh = 0, planes = 0;
+  int th = 0, tw = 0, bh = 0, cw = 1, planes = 0;
   int threads = 0;  // 0: the kernel does not apply
   int min_blocks = 0;  // > 0: registers capped so that this many CTAs fit a multiprocessor
   int64_t ctas = 0;
   std::string Name() const {
     return std::to_string(th) + "x" + std::to_string(tw) + " p" + std::to_string(planes) +
-           " b" + std::to_string(bh) + (min_blocks > 0 ? " o" + std::to_string(min_blocks) : "");
+           " b" + std::to_string(bh) + (cw > 1 ? " c" + std::to_string(cw) : "") +
+           (min_blocks > 0 ? " o" + std::to_string(min_blocks) : "");
   }
 };
 
@@ -1192,11 +1193,13 @@ constexpr int64_t kPlanesSmemBytes = 48 * 1024;
 constexpr int64_t kPlanesMaxTaps = 81;
 constexpr int kMaxThreadsPerSm = 2048;
 
-// The tiling for `spec` with `bh` output rows a thread: output rows of up to 64 columns whole,
-// wider ones in tiles of 32-64 columns (the width that leaves the fewest idle columns); up to
-// 256 threads a plane; whole small planes several a CTA while the CTAs still fill the device
-// twice over.
-PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_max = 4) {
+// The tiling for `spec` with `bh` output rows and `cw` columns a thread: output rows of up to 64
+// columns whole, wider ones in tiles of 32-64 columns (the width that leaves the fewest idle
+// columns); up to 256 threads a plane; whole small planes several a CTA while the CTAs still
+// fill the device twice over. Two columns a thread need an even tile width; their rows a tile
+// are the count that leaves the fewest idle rows (the most of those).
+PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_max = 4,
+                         int cw = 1) {
   const ConvGeometry& g = spec.conv;
   PlanesTile t;
   if (!IsPlanarDepthwise(spec) || int64_t{g.r} * g.s > kPlanesMaxTaps ||
@@ -1212,16 +1215,28 @@ PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_
       if (covered <= fewest) fewest = covered, tw = width;
     }
   }
+  if (tw % cw != 0) return t;
   const int bh = static_cast<int>(std::min<int64_t>(bh_max, p));
-  int rows = static_cast<int>(std::min<int64_t>(std::max(1, 256 / tw), (p + bh - 1) / bh));
+  const int columns = tw / cw;  // threads a row of the tile
+  int rows = static_cast<int>(std::min<int64_t>(std::max(1, 256 / columns), (p + bh - 1) / bh));
+  if (cw > 1) {
+    const auto covered = [&](int r) { return (p + int64_t{r} * bh - 1) / (int64_t{r} * bh) * r; };
+    for (int r = rows - 1; r >= 1; --r) {
+      if (covered(r) < covered(rows)) rows = r;
+    }
+  }
   int planes = 1;
   if (int64_t{rows} * bh >= p && tw >= q) {
     const int64_t filling = plane_count / (2 * std::max(device.sm_count, 1));
-    planes = static_cast<int>(std::clamp<int64_t>(filling, 1, std::max(1, 256 / (tw * rows))));
+    planes = static_cast<int>(std::clamp<int64_t>(filling, 1, std::max(1, 256 / (columns * rows))));
   }
+  // (The window as conv_planes.cuh lays it out: with pairs, one more column where the left
+  // padding is odd and an even row pitch.)
+  const bool pairs = cw == 2 && spec.w % 2 == 0;
   const auto smem = [&] {
     const int64_t wh = int64_t{rows * bh - 1} * g.stride_h + int64_t{g.r - 1} * g.dil_h + 1;
-    const int64_t ww = int64_t{tw - 1} * g.stride_w + int64_t{g.s - 1} * g.dil_w + 1;
+    int64_t ww = int64_t{tw - 1} * g.stride_w + int64_t{g.s - 1} * g.dil_w + 1;
+    if (pairs) ww = (ww + (g.pad_l % 2 + 2) % 2 + 1) / 2 * 2;
     return planes * wh * ww * 4;
   };
   while (smem() > kPlanesSmemBytes) {  // (large strides or dilations)
@@ -1229,8 +1244,10 @@ PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_
       planes = (planes + 1) / 2;
     } else if (rows > 1) {
       rows = (rows + 1) / 2;
-    } else if (tw > 8) {
+    } else if (tw > 8 && cw == 1) {
       tw = (tw + 1) / 2;
+    } else if (tw > 8 && tw % 4 == 0) {  // (two columns a thread: the width stays even)
+      tw /= 2;
     } else {
       return t;
     }
@@ -1239,14 +1256,16 @@ PlanesTile PlanesTileFor(const PlanSpec& spec, const DeviceInfo& device, int bh_
   const int64_t ctas = (plane_count + planes - 1) / planes * ((p + th - 1) / th) *
                        ((q + tw - 1) / tw);
   if (ctas > std::numeric_limits<int32_t>::max()) return t;
-  t.th = th, t.tw = tw, t.bh = bh, t.planes = planes, t.threads = tw * rows * planes;
+  t.th = th, t.tw = tw, t.bh = bh, t.cw = cw, t.planes = planes;
+  t.threads = tw / cw * rows * planes;
   t.ctas = ctas;
   return t;
 }
 
 // The planar kernel's candidates, the first its default: 4 rows a thread; the same with
 // registers for a whole multiprocessor of threads (filters up to 3x3, where the cap costs few
-// spills); 8 rows a thread, a taller window a CTA.
+// spills); 8 rows a thread, a taller window a CTA; 4 and 8 rows of two columns a thread (even
+// tile widths), whose window moves in pairs where the planes' width is even.
 std::vector<PlanesTile> PlanesCandidates(const PlanSpec& spec, const DeviceInfo& device) {
   std::vector<PlanesTile> out;
   const PlanesTile first = PlanesTileFor(spec, device);
@@ -1262,13 +1281,22 @@ std::vector<PlanesTile> PlanesCandidates(const PlanSpec& spec, const DeviceInfo&
       tall.threads > 0 && tall.Name() != first.Name()) {
     out.push_back(tall);
   }
+  // Two columns a thread, 4 and 8 rows.
+  for (int bh : {4, 8}) {
+    const PlanesTile paired = PlanesTileFor(spec, device, bh, 2);
+    const bool distinct = std::none_of(out.begin(), out.end(), [&](const PlanesTile& t) {
+      return t.Name() == paired.Name();
+    });
+    if (paired.threads > 0 && distinct) out.push_back(paired);
+  }
   return out;
 }
 
 std::string PlanesConstants(const PlanesTile& t) {
   Text s;
   s << "constexpr int kTH = " << t.th << ", kTW = " << t.tw << ", kBH = " << t.bh
-    << ", kPlanes = " << t.planes << ", kMinBlocks = " << std::max(t.min_blocks, 1) << ";\n";
+    << ", kCW = " << t.cw << ", kPlanes = " << t.planes
+    << ", kMinBlocks = " << std::max(t.min_blocks, 1) << ";\n";
   return s.str();
 }
 

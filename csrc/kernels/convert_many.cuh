@@ -139,6 +139,7 @@ JF_DEVICE void convert_item(const ConvertSegment& s, i64 item) {
 extern "C" __global__ void __launch_bounds__(256) jaxfuse_convert_many(
     const jaxfuse::ConvertTable table) {
   using namespace jaxfuse;
+  await_previous_kernel();  // (first: portable.h says why)
   // Items grow along the loop, so the segment index only moves forward.
   int s = 0;
   for (i64 item = global_thread_index(); item < table.items; item += global_thread_count()) {

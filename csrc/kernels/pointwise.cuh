@@ -70,6 +70,7 @@ JF_DEVICE ChannelTerms fill_channel_table(const Epilogue& ep, float* table) {
 
 extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::kernels;
   typedef Io::type T;
   extern __shared__ float table[];
@@ -142,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise(jaxfuse::Fus
 
 extern "C" __global__ void __launch_bounds__(256) jaxfuse_pointwise_scalar(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::kernels;
   extern __shared__ float table[];
   const Epilogue ep(p);

@@ -68,6 +68,18 @@ JF_DEVICE void arrive_here(float& v) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): XLA's command buffer may start a kernel before the
+// previous kernel ends (the record stage asks it to: csrc/ffi/gpu_handler.cc), so the launch and
+// the CTAs' start overlap that kernel's last wave. Every kernel calls this first: it waits for
+// the previous kernel to end with its memory visible, before any global load or store, then lets
+// the next kernel launch once this one's CTAs have all started. Without such a launch, nothing.
+JF_DEVICE void await_previous_kernel() {
+#if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // kN floats from `src` (16-byte aligned; kN a multiple of 4) in 16-byte loads.
 template <int kN>
 JF_DEVICE void load_floats(const float* src, float (&dst)[kN]) {
