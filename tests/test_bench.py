@@ -11,7 +11,7 @@ import pytest
 from jaxfuse.bench.__main__ import run_case, same_program
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
-from jaxfuse.bench.timing import batched, wall_times_interleaved
+from jaxfuse.bench.timing import batched, busy_ns, wall_times_interleaved
 
 
 def test_programs_are_timed_in_turns() -> None:
@@ -133,3 +133,11 @@ def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:
     twin = "xla" if row["auto_solver"] == "xla" else "fused"
     assert row["auto_same_program_as"] == twin
     assert row["auto_wall_us"] == row[f"{twin}_wall_us"]
+
+
+def test_device_time_counts_overlapping_kernels_once() -> None:
+    # (start, duration): a kernel that starts before the previous one ends (programmatic
+    # dependent launch) and waits for it adds only what runs past that one's end.
+    assert busy_ns([(0, 10), (20, 5)]) == 15
+    assert busy_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == 15
+    assert busy_ns([]) == 0

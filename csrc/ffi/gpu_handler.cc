@@ -10,10 +10,12 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string_view>
 #include <vector>
 
 #include "common/debug.h"
@@ -171,11 +173,16 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
                                     {static_cast<int32_t>(entry.block), 1, 1},
                                     {0, 0, 0}};  // (cluster shapes are compiled in)
       // Every kernel waits for the previous one first (portable.h: await_previous_kernel), so
-      // the node may start before it ends where the call's 'uses_pdl' attribute lets XLA
-      // make its edges programmatic.
+      // the node may start before that one ends: XLA makes its edges from kernel nodes
+      // programmatic (jax 0.11.2 does on this flag alone; later XLA also wants the call's
+      // 'uses_pdl' attribute, which the lowering adds: jaxfuse/primitive.py).
+      static const bool pdl = [] {
+        const char* v = std::getenv("JAXFUSE_PDL");
+        return v == nullptr || std::string_view(v) != "0";
+      }();
       auto command = record.CreateLaunch(entry.name.c_str(), kernel.binary.data(),
                                          kernel.binary.size(), ffi::SourceFormat::kCubin, dims,
-                                         entry.shared_bytes, /*uses_pdl=*/true, kernel_args);
+                                         entry.shared_bytes, /*uses_pdl=*/pdl, kernel_args);
       if (command.has_error()) return command.error();
       recorded.store(static_cast<int>(entry_index) + 1);
       gpu::CountRecord(false);

@@ -101,9 +101,13 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
                        calls: int = 5, by_kernel: dict[str, float] | None = None,
                        stats: dict[str, float] | None = None) -> float | None:
-    """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events.
-    `by_kernel`, if given, receives each kernel name's mean seconds per op; `stats` receives
-    "kernels_per_op" (below 1 where the program merged ops into shared kernels)."""
+    """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events: the
+    time some kernel runs, kernels that overlap counted once. (A kernel that XLA's command
+    buffer starts before the previous one ends, programmatic dependent launch, waits for it
+    inside its own duration: summed durations would count that wait as the kernel's time.)
+    `by_kernel`, if given, receives each kernel name's mean seconds per op (its durations);
+    `stats` receives "kernels_per_op" (below 1 where the program merged ops into shared
+    kernels)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(many(arg_sets))
@@ -140,7 +144,20 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
         gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] -
                       (kernels[i - 1][0] + kernels[i - 1][1]), reverse=True)[:calls - 1]
         bounds = [0, *sorted(gaps), len(kernels)]
-        per_call = [sum(d for _, d in kernels[a:b]) for a, b in itertools.pairwise(bounds)]
+        per_call = [busy_ns(kernels[a:b]) for a, b in itertools.pairwise(bounds)]
     else:
-        per_call = [sum(d for _, d in kernels) / calls]
+        per_call = [busy_ns(kernels) / calls]
     return statistics.median(per_call) * 1e-9 / len(arg_sets)
+
+
+def busy_ns(kernels: Sequence[tuple[int, int]]) -> int:
+    """The length of the union of (start, duration) intervals sorted by start."""
+    total, end = 0, None
+    for start, duration in kernels:
+        if end is None or start >= end:
+            total += duration
+            end = start + duration
+        elif start + duration > end:
+            total += start + duration - end
+            end = start + duration
+    return total
