@@ -80,7 +80,6 @@ std::string PlanConstants(const PlanSpec& spec) {
       s << "typedef Io FilterIo;\n"
         << "JF_DEVICE float filter_value(Io::type v) { return Io::load(v); }\n";
     }
-    s << "constexpr i64 kFilterBytes = K * CG * R * S * i64(sizeof(FilterIo::type));\n";
   }
   s << "}  // namespace plan\n}  // namespace jaxfuse\n";
   return s.str();

@@ -321,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::plan::kThreads, jaxfuse::p
     jaxfuse_conv_depthwise(jaxfuse::FusedParams p) {
 #endif
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::depthwise;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // (The copy engine writes to 128-byte aligned addresses: the code generator left the slack.)
@@ -482,7 +482,7 @@ static_assert(C % kLanes == 0 && K == C && G == C, "depthwise, whole channel vec
 extern "C" __global__ void __launch_bounds__(256)
     jaxfuse_conv_depthwise_vector(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::depthwise;
   const Epilogue ep(p);
   const T* x = static_cast<const T*>(p.x);

@@ -25,7 +25,7 @@ JF_DEVICE i64 w_offset(i64 k, i64 ci, i64 r, i64 s) {
 
 extern "C" __global__ void __launch_bounds__(256) jaxfuse_conv_direct(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::kernels;
   typedef Io::type T;
   const Epilogue ep(p);

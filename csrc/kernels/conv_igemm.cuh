@@ -320,7 +320,7 @@ JF_DEVICE void multiply(const Elem* sa, const Elem* sb, float (&acc)[kFragsM][kF
 extern "C" __global__ void __launch_bounds__(jaxfuse::igemm::kThreads, jaxfuse::plan::kMinBlocks)
     jaxfuse_conv_igemm(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::igemm;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kBN];

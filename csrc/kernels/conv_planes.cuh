@@ -78,7 +78,7 @@ JF_DEVICE void read_span(const float* row, float (&v)[kSpan]) {
 extern "C" __global__ void __launch_bounds__(jaxfuse::planes::kThreads, jaxfuse::plan::kMinBlocks)
     jaxfuse_conv_planes(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::planes;
   using namespace jaxfuse::kernels;
   typedef Io::type T;

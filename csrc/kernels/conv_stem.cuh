@@ -141,7 +141,7 @@ JF_DEVICE u32 pair(const u16* row, int at, bool first, bool second) {
 extern "C" __global__ void __launch_bounds__(jaxfuse::stem::kThreads, jaxfuse::plan::kMinBlocks)
     jaxfuse_conv_stem(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::stem;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kBN];

@@ -605,7 +605,7 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfuse::plan::kBlocks)
     jaxfuse_conv_tma(const __grid_constant__ jaxfuse::TmaParams args) {
   using namespace jaxfuse;
-  await_previous_kernel(args.p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::tma_conv;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kConsumers][kBN];

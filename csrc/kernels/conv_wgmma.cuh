@@ -214,7 +214,7 @@ JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
 extern "C" __global__ void __launch_bounds__(jaxfuse::hopper::kThreads, jaxfuse::plan::kMinBlocks)
     JF_CLUSTER_DIMS jaxfuse_conv_wgmma(jaxfuse::FusedParams p) {
   using namespace jaxfuse;
-  await_previous_kernel(p.w, plan::kFilterBytes);  // (first: portable.h says why)
+  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::hopper;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kBN];

@@ -72,31 +72,11 @@ JF_DEVICE void arrive_here(float& v) {
 // previous kernel ends (the record stage asks it to: csrc/ffi/gpu_handler.cc), so the launch and
 // the CTAs' start overlap that kernel's last wave. Every kernel calls this first: it waits for
 // the previous kernel to end with its memory visible, before any global load or store, then lets
-// the next kernel launch once this one's CTAs have all started. Without such a launch the wait
-// returns at once. Before waiting, the grid's threads ask L2 for `prefetch_bytes` from
-// `prefetch` (the filters), a share each: whatever wrote them, L2 is where every write lands,
-// so the prefetch only moves the kernel's own first reads of them earlier, into the previous
-// kernel's tail.
-JF_DEVICE void await_previous_kernel(const void* prefetch = nullptr, i64 prefetch_bytes = 0) {
+// the next kernel launch once this one's CTAs have all started. Without such a launch, nothing.
+JF_DEVICE void await_previous_kernel() {
 #if !defined(JF_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (prefetch != nullptr && prefetch_bytes > 0) {
-    constexpr u64 kPiece = 4096;  // bytes a prefetch (a multiple of 16)
-    const u64 base = reinterpret_cast<u64>(prefetch);
-    const u64 begin = (base + 15) & ~u64{15}, end = (base + u64(prefetch_bytes)) & ~u64{15};
-    const u64 threads = u64(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
-    const u64 thread = (blockIdx.x + u64(gridDim.x) * (blockIdx.y + u64(gridDim.y) * blockIdx.z)) *
-                           blockDim.x + threadIdx.x;
-    for (u64 at = begin + thread * kPiece; at < end; at += threads * kPiece) {
-      const u32 bytes = static_cast<u32>(end - at < kPiece ? end - at : kPiece);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(at), "r"(bytes)
-                   : "memory");
-    }
-  }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#else
-  (void)prefetch;
-  (void)prefetch_bytes;
 #endif
 }
 
