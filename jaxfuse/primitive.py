@@ -115,7 +115,8 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
     if target != FFI_TARGET and os.environ.get("JAXFUSE_PDL", "1") != "0":
         # XLA's command buffer may then start the kernel before the previous kernel ends:
         # the launch overlaps that kernel's last wave, and the kernel waits for it first
-        # (csrc/kernels/portable.h: await_previous_kernel).
+        # (csrc/kernels/portable.h: await_previous_kernel). The record stage's launch flag
+        # decides per kernel, on Hopper and later only (csrc/ffi/gpu_handler.cc: UsesPdl).
         return rule(ctx, *args, plan=signature.encode(), uses_pdl=True)
     return rule(ctx, *args, plan=signature.encode())
 

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -130,6 +131,22 @@ ffi::Error Execute(void* stream, int32_t device_ordinal, GpuPlanState* state,
 using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
 struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 
+// Whether the kernel's node may start before the previous kernel ends (programmatic dependent
+// launch): every kernel waits for that one first where it can (sm_90 and later: portable.h,
+// await_previous_kernel), so XLA may make the node's edges from kernel nodes programmatic.
+// jax 0.11.2 does on this flag alone; later XLA also wants the call's 'uses_pdl' attribute,
+// which the lowering adds (jaxfuse/primitive.py). JAXFUSE_PDL=0 turns it off.
+bool UsesPdl(const gpu::LoadedKernel& kernel) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAXFUSE_PDL");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  // (The architecture the kernel was compiled for, where the wait is compiled in or out.)
+  const std::string& arch =
+      kernel.generated.compile_arch.empty() ? kernel.arch : kernel.generated.compile_arch;
+  return enabled && arch.rfind("sm_", 0) == 0 && std::atoi(arch.c_str() + 3) >= 90;
+}
+
 // The record stage: the kernel as a launch command of XLA's command buffer, created once and
 // updated with the call's buffers. Plans that launch nothing or more than the kernel (empty
 // outputs, JAXFUSE_POISON_OUTPUTS) are captured from the execute stage as before.
@@ -172,17 +189,9 @@ ffi::Error Record(RecordContext record, int32_t device_ordinal, GpuPlanState* st
       const XLA_FFI_LaunchDims dims{{static_cast<int32_t>(entry.grid), 1, 1},
                                     {static_cast<int32_t>(entry.block), 1, 1},
                                     {0, 0, 0}};  // (cluster shapes are compiled in)
-      // Every kernel waits for the previous one first (portable.h: await_previous_kernel), so
-      // the node may start before that one ends: XLA makes its edges from kernel nodes
-      // programmatic (jax 0.11.2 does on this flag alone; later XLA also wants the call's
-      // 'uses_pdl' attribute, which the lowering adds: jaxfuse/primitive.py).
-      static const bool pdl = [] {
-        const char* v = std::getenv("JAXFUSE_PDL");
-        return v == nullptr || std::string_view(v) != "0";
-      }();
       auto command = record.CreateLaunch(entry.name.c_str(), kernel.binary.data(),
                                          kernel.binary.size(), ffi::SourceFormat::kCubin, dims,
-                                         entry.shared_bytes, /*uses_pdl=*/pdl, kernel_args);
+                                         entry.shared_bytes, UsesPdl(kernel), kernel_args);
       if (command.has_error()) return command.error();
       recorded.store(static_cast<int>(entry_index) + 1);
       gpu::CountRecord(false);

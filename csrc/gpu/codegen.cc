@@ -1598,8 +1598,11 @@ GeneratedKernel GenerateKernel(const PlanSpec& spec, const DeviceInfo& device, i
     out.tile = planes.Name();
     out.source = TranslationUnit(spec, PlanesConstants(planes),
                                  {"conv_direct.cuh", "conv_planes.cuh"});
+    // (Two columns a thread move pairs of values: the buffers aligned to a pair, else
+    // conv_direct runs.)
+    const int pair_bytes = planes.cw == 2 ? 2 * (spec.dtype == DType::kF32 ? 4 : 2) : 1;
     out.entries.push_back({"jaxfuse_conv_planes", static_cast<unsigned>(planes.ctas),
-                           static_cast<unsigned>(planes.threads), 0, 1});
+                           static_cast<unsigned>(planes.threads), 0, pair_bytes});
     out.entries.push_back(direct);
     return out;
   }

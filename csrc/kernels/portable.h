@@ -51,9 +51,11 @@ JF_DEVICE Vec16 load16(const void* src) {
   return *reinterpret_cast<const Vec16*>(src);
 #else
   Vec16 v;
-  asm("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3])
-      : "l"(src));
+  // (volatile: kept after griddepcontrol.wait, whose "memory" clobber orders only accesses the
+  // compiler sees as memory: await_previous_kernel.)
+  asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.v[0]), "=r"(v.v[1]), "=r"(v.v[2]), "=r"(v.v[3])
+               : "l"(src));
   return v;
 #endif
 }
