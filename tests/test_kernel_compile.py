@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax.numpy as jnp
 import pytest
 from cases import (
     DEPTHWISE_CASES,
@@ -304,6 +305,12 @@ def test_planar_depthwise_edges_compile(case: Case, dtype: str, arch: str) -> No
         tiles = [out["tile"] for out in outs[:-1]]
         assert len(set(tiles)) == len(tiles), tiles
         assert (f"{tiles[0]} o" in " ".join(tiles)) == (case.r * case.s <= 9), tiles
+        # Two columns a thread move pairs of values: such an entry runs on pair-aligned buffers
+        # only (conv_direct, the entry after it, on any).
+        pair = 2 * jnp.dtype(dtype).itemsize
+        for out in outs[:-1]:
+            assert out["entries"][0]["alignment"] == (pair if " c2" in out["tile"] else 1), out
+            assert out["entries"][-1]["name"] == "jaxfuse_conv_direct"
 
 
 # The pointwise kernel's variants (tensors without a convolution): at batch 1 one vector a
