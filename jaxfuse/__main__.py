@@ -74,6 +74,18 @@ def _describe_key(key: str) -> str:
             f"in={fields.get('in', '?')}{geometry}")
 
 
+def _command_buffers(ext: Any) -> str:
+    """How fused kernels enter XLA's CUDA command buffers."""
+    if not hasattr(ext, "register_cuda_record"):
+        return "captured from the execute stage (these FFI headers have no record stage)"
+    if os.environ.get("JAXFUSE_FFI_RECORD", "1") == "0":
+        return "captured from the execute stage (JAXFUSE_FFI_RECORD=0)"
+    pdl = ("programmatic dependent launch on sm_90 and later"
+           if os.environ.get("JAXFUSE_PDL", "1") != "0" else
+           "programmatic dependent launch off (JAXFUSE_PDL=0)")
+    return f"launch nodes of their own (the record stage); {pdl}"
+
+
 def info(out: Any = sys.stdout) -> None:
     """Prints the report."""
     ext = extension()
@@ -86,6 +98,7 @@ def info(out: Any = sys.stdout) -> None:
     print("runtime compilers:", file=out)
     for line in _compilers(ext):
         print(f"  {line}", file=out)
+    print(f"CUDA command buffers: {_command_buffers(ext)}", file=out)
     off = "(disk cache off)" if cache["problem"] else "(disk cache off: JAXFUSE_CACHE_DIR is empty)"
     print(f"kernel cache: {cache['directory'] or off}", file=out)
     if cache["problem"]:  # also before first use: the check runs now, creating nothing

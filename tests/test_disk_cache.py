@@ -496,3 +496,20 @@ def test_gpu_unsafe_cache_dir_warns_once(tmp_path) -> None:
     assert "writable by other users" in stderr
     assert result["stats"]["compilations"] == 2 and result["stats"]["disk_hits"] == 0
     assert not any((tmp_path / "kernels").iterdir())
+
+
+def test_info_says_how_kernels_enter_command_buffers(monkeypatch) -> None:
+    from jaxfuse import __main__ as cli
+
+    class Headers:
+        def register_cuda_record(self, name: str) -> tuple[str, str]:
+            return "done", ""
+
+    assert "no record stage" in cli._command_buffers(object())
+    monkeypatch.setenv("JAXFUSE_PDL", "0")
+    assert cli._command_buffers(Headers()).endswith("programmatic dependent launch off "
+                                                    "(JAXFUSE_PDL=0)")
+    monkeypatch.delenv("JAXFUSE_PDL")
+    assert cli._command_buffers(Headers()).endswith("on sm_90 and later")
+    monkeypatch.setenv("JAXFUSE_FFI_RECORD", "0")
+    assert "JAXFUSE_FFI_RECORD=0" in cli._command_buffers(Headers())
