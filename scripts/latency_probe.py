@@ -47,7 +47,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
                 if line.name.startswith("Stream"):
                     for e in line.events:
                         device[e.name].append(e.duration_ns)
-                        intervals.append((e.start_ns, e.duration_ns))
+                        intervals.append((e.start_ns, e.duration_ns, e.name))
                         span = [min(span[0], e.start_ns), max(span[1], e.end_ns)]
         elif plane.name.startswith("/host:"):
             for line in plane.lines:
@@ -62,7 +62,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
         "kernel_us_per_call": sum(sum(v) for v in device.values()) / calls / 1e3,
         # Kernels that overlap counted once (one that starts before the previous one ends,
         # by programmatic dependent launch, waits for it within its own duration).
-        "kernel_busy_us_per_call": busy_ns(sorted(intervals)) / calls / 1e3,
+        "kernel_busy_us_per_call": busy_ns([i[:2] for i in sorted(intervals)]) / calls / 1e3,
         # The device's period a call, gaps included: near the wall time when the device is
         # what limits back-to-back calls.
         "device_span_us_per_call": max(span[1] - span[0], 0) / calls / 1e3,
@@ -74,7 +74,22 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
             word in row[0] for word in ("Initialize", "update", "Launch", "CustomCall",
                                         "custom_call", "Prepare", "ParseArguments"))],
         "device_top": top(device, 12),
+        # Per kernel name, the time only it ran (its interval past every earlier kernel's):
+        # where a call's device time goes once launches overlap.
+        "device_exposed": top(exposed_by_name(intervals), 12),
     }
+
+
+def exposed_by_name(intervals: list[tuple[int, int, str]]) -> dict[str, list[float]]:
+    """Each (start, duration, name) interval's part past the end of every earlier one (by
+    start), listed by name: the parts sum to the intervals' union."""
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    end = None
+    for start, duration, name in sorted(intervals):
+        stop = start + duration
+        out[name].append(max(0, stop - max(start, end if end is not None else start)))
+        end = stop if end is None else max(end, stop)
+    return out
 
 
 def handler_stats(fn, args, calls: int) -> dict[str, float]:
@@ -160,6 +175,9 @@ def main() -> None:
             print(f"   {us:8.1f} us {count:6.1f}x  {event}")
         print("   device kernels:")
         for kernel, count, us in s["device_top"]:
+            print(f"   {us:8.1f} us {count:6.1f}x  {kernel}")
+        print("   device kernels, time past the earlier kernels' ends (sums to the union):")
+        for kernel, count, us in s["device_exposed"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {kernel}")
         if jax.devices()[0].platform == "gpu":
             h = handler_stats(fn, args, opts.calls)
