@@ -15,7 +15,7 @@ import jax
 import jaxlib
 
 from . import __version__, runtime
-from ._extension import extension
+from ._extension import extension, pdl_wanted, record_stage_wanted
 
 
 def _backends() -> list[str]:
@@ -78,10 +78,9 @@ def _command_buffers(ext: Any) -> str:
     """How fused kernels enter XLA's CUDA command buffers."""
     if not hasattr(ext, "register_cuda_record"):
         return "captured from the execute stage (these FFI headers have no record stage)"
-    if os.environ.get("JAXFUSE_FFI_RECORD", "1") == "0":
+    if not record_stage_wanted():
         return "captured from the execute stage (JAXFUSE_FFI_RECORD=0)"
-    pdl = ("programmatic dependent launch on sm_90 and later"
-           if os.environ.get("JAXFUSE_PDL", "1") != "0" else
+    pdl = ("programmatic dependent launch on sm_90 and later" if pdl_wanted() else
            "programmatic dependent launch off (JAXFUSE_PDL=0)")
     return f"launch nodes of their own (the record stage); {pdl}"
 

@@ -72,6 +72,18 @@ _record_lock = threading.Lock()
 _record_state: dict[str, str | None] = {}
 
 
+def record_stage_wanted() -> bool:
+    """Whether CUDA programs should name the record-stage registration (``JAXFUSE_FFI_RECORD``,
+    default on)."""
+    return os.environ.get("JAXFUSE_FFI_RECORD", "1") != "0"
+
+
+def pdl_wanted() -> bool:
+    """Whether recorded launches ask for programmatic dependent launch (``JAXFUSE_PDL``,
+    default on; the record stage reads the same variable: csrc/ffi/gpu_handler.cc)."""
+    return os.environ.get("JAXFUSE_PDL", "1") != "0"
+
+
 def record_target() -> str | None:
     """The name of the fused chain's CUDA registration with XLA FFI's record stage, or None
     where there is none (the build's FFI headers lack the stage, the CUDA plugin's FFI API
@@ -85,7 +97,7 @@ def record_target() -> str | None:
     not tried again. A program compiled with this target and serialized as an executable
     (not through ``jax.export``, whose programs name :data:`FFI_TARGET`) finds it in another
     process only once that process has lowered a CUDA program or called this function."""
-    if os.environ.get("JAXFUSE_FFI_RECORD", "1") == "0":
+    if not record_stage_wanted():
         return None
     ext = extension()
     if not hasattr(ext, "register_cuda_record"):

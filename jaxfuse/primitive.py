@@ -9,7 +9,6 @@ here.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from ._compat import ShapedArray
-from ._extension import FFI_TARGET, record_target
+from ._extension import FFI_TARGET, pdl_wanted, record_target
 from .signature import PlanSignature
 from .transforms import install_rules, typed_output_sharding, with_unfused_derivative
 
@@ -112,7 +111,7 @@ def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
     target = _target(ctx)
     rule = jax.ffi.ffi_lowering(target)
-    if target != FFI_TARGET and os.environ.get("JAXFUSE_PDL", "1") != "0":
+    if target != FFI_TARGET and pdl_wanted():
         # XLA's command buffer may then start the kernel before the previous kernel ends:
         # the launch overlaps that kernel's last wave, and the kernel waits for it first
         # (csrc/kernels/portable.h: await_previous_kernel). The record stage's launch flag

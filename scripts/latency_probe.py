@@ -24,7 +24,7 @@ import jax
 
 from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
-from jaxfuse.bench.timing import busy_ns
+from jaxfuse.bench.timing import busy_ns, exposed_ns
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
@@ -83,12 +83,10 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
 def exposed_by_name(intervals: list[tuple[int, int, str]]) -> dict[str, list[float]]:
     """Each (start, duration, name) interval's part past the end of every earlier one (by
     start), listed by name: the parts sum to the intervals' union."""
+    ordered = sorted(intervals)
     out: dict[str, list[float]] = collections.defaultdict(list)
-    end = None
-    for start, duration, name in sorted(intervals):
-        stop = start + duration
-        out[name].append(max(0, stop - max(start, end if end is not None else start)))
-        end = stop if end is None else max(end, stop)
+    for (_, _, name), part in zip(ordered, exposed_ns([i[:2] for i in ordered])):
+        out[name].append(part)
     return out
 
 

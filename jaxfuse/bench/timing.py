@@ -152,12 +152,15 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
 
 def busy_ns(kernels: Sequence[tuple[int, int]]) -> int:
     """The length of the union of (start, duration) intervals sorted by start."""
-    total, end = 0, None
+    return sum(exposed_ns(kernels))
+
+
+def exposed_ns(kernels: Sequence[tuple[int, int]]) -> list[int]:
+    """Each of the (start, duration) intervals, sorted by start: its part past the end of
+    every earlier one. The parts sum to the intervals' union."""
+    parts, end = [], None
     for start, duration in kernels:
-        if end is None or start >= end:
-            total += duration
-            end = start + duration
-        elif start + duration > end:
-            total += start + duration - end
-            end = start + duration
-    return total
+        stop = start + duration
+        parts.append(max(0, stop - max(start, start if end is None else end)))
+        end = stop if end is None else max(end, stop)
+    return parts
