@@ -11,7 +11,7 @@ import pytest
 from jaxfuse.bench.__main__ import run_case, same_program
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
-from jaxfuse.bench.timing import batched, busy_ns, wall_times_interleaved
+from jaxfuse.bench.timing import batched, busy_ns, exposed_ns, wall_times_interleaved
 
 
 def test_programs_are_timed_in_turns() -> None:
@@ -141,3 +141,5 @@ def test_device_time_counts_overlapping_kernels_once() -> None:
     assert busy_ns([(0, 10), (20, 5)]) == 15
     assert busy_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == 15
     assert busy_ns([]) == 0
+    # Each kernel's part past every earlier one's end: what it adds to the union.
+    assert exposed_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == [10, 4, 0, 1]
