@@ -110,14 +110,14 @@ def _impl(*args: Any, signature: PlanSignature) -> Any:
 def _lowering(ctx: mlir.LoweringRuleContext, *args: Any,
               signature: PlanSignature) -> Sequence[Any]:
     target = _target(ctx)
-    rule = jax.ffi.ffi_lowering(target)
+    attributes: dict[str, Any] = {"plan": signature.encode()}
     if target != FFI_TARGET and pdl_wanted():
         # XLA's command buffer may then start the kernel before the previous kernel ends:
         # the launch overlaps that kernel's last wave, and the kernel waits for it first
         # (csrc/kernels/portable.h: await_previous_kernel). The record stage's launch flag
         # decides per kernel, on Hopper and later only (csrc/ffi/gpu_handler.cc: UsesPdl).
-        return rule(ctx, *args, plan=signature.encode(), uses_pdl=True)
-    return rule(ctx, *args, plan=signature.encode())
+        attributes["uses_pdl"] = True
+    return jax.ffi.ffi_lowering(target)(ctx, *args, **attributes)
 
 
 def _target(ctx: mlir.LoweringRuleContext) -> str:

@@ -24,7 +24,7 @@ import jax
 
 from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
-from jaxfuse.bench.timing import busy_ns, exposed_ns
+from jaxfuse.bench.timing import exposed_ns
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
@@ -53,6 +53,8 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
             for line in plane.lines:
                 for e in line.events:
                     host[e.name].append(e.duration_ns)
+    exposed = exposed_by_name(intervals)
+
     def top(events: dict[str, list[float]], count: int) -> list[tuple[str, float, float]]:
         ranked = sorted(events.items(), key=lambda kv: -sum(kv[1]))[:count]
         return [(name[:70], len(v) / calls, sum(v) / calls / 1e3) for name, v in ranked]
@@ -62,7 +64,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
         "kernel_us_per_call": sum(sum(v) for v in device.values()) / calls / 1e3,
         # Kernels that overlap counted once (one that starts before the previous one ends,
         # by programmatic dependent launch, waits for it within its own duration).
-        "kernel_busy_us_per_call": busy_ns([i[:2] for i in sorted(intervals)]) / calls / 1e3,
+        "kernel_busy_us_per_call": sum(map(sum, exposed.values())) / calls / 1e3,
         # The device's period a call, gaps included: near the wall time when the device is
         # what limits back-to-back calls.
         "device_span_us_per_call": max(span[1] - span[0], 0) / calls / 1e3,
@@ -76,7 +78,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
         "device_top": top(device, 12),
         # Per kernel name, the time only it ran (its interval past every earlier kernel's):
         # where a call's device time goes once launches overlap.
-        "device_exposed": top(exposed_by_name(intervals), 12),
+        "device_exposed": top(exposed, 12),
     }
 
 

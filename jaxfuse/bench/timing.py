@@ -158,9 +158,8 @@ def busy_ns(kernels: Sequence[tuple[int, int]]) -> int:
 def exposed_ns(kernels: Sequence[tuple[int, int]]) -> list[int]:
     """Each of the (start, duration) intervals, sorted by start: its part past the end of
     every earlier one. The parts sum to the intervals' union."""
-    parts, end = [], None
+    parts, end = [], kernels[0][0] if kernels else 0
     for start, duration in kernels:
-        stop = start + duration
-        parts.append(max(0, stop - max(start, start if end is None else end)))
-        end = stop if end is None else max(end, stop)
+        parts.append(max(0, start + duration - max(start, end)))
+        end = max(end, start + duration)
     return parts
