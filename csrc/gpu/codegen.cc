@@ -376,11 +376,16 @@ struct WgmmaTile {
   int splits = 1;       // split-K over a cluster of this many CTAs
   bool wide_b = false;  // fp32 filters: each stage also holds B's fp32 chunks (kWideB)
   int Threads() const { return bm / 64 * 128; }
-  int SmemBytes() const {  // pipeline stages or the fp32 epilogue tile, plus alignment slack
-    return std::max(stages * ((bm + bn) * 128 + (wide_b ? bn * 256 : 0)), bm * (bn + 8) * 4) +
-           1024;
+  // Pipeline stages and the fp32 epilogue tile, which reuses them unless split (then it is
+  // the receive area of the partial sums, arriving while the stages may still be in use),
+  // plus alignment slack.
+  int SmemBytes() const {
+    const int staged = stages * ((bm + bn) * 128 + (wide_b ? bn * 256 : 0));
+    const int tile = bm * (bn + 8) * 4;
+    return (splits > 1 ? staged + tile : std::max(staged, tile)) + 1024;
   }
-  int StaticSmemBytes() const { return bn * 20; }  // the epilogue's terms (20 bytes each)
+  // The epilogue's terms (20 bytes each) and the split-K barrier.
+  int StaticSmemBytes() const { return bn * 20 + 8; }
 };
 
 // Values of the plan's dtype in a 128-byte k-tile row of the Hopper kernels: 64 16-bit ones,
@@ -406,9 +411,8 @@ bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
 
 // A tile with as many CTAs per multiprocessor as shared memory and registers allow. With
 // fp32 filters (`wide_b`) a stage is larger: fewer stages where four would not fit.
-WgmmaTile MakeWgmmaTile(int bm, int bn, int stages, bool wide_b) {
-  WgmmaTile tile{bm, bn, stages, 1};
-  tile.wide_b = wide_b;
+WgmmaTile MakeWgmmaTile(int bm, int bn, int stages, bool wide_b, int splits = 1) {
+  WgmmaTile tile{bm, bn, stages, 1, splits, wide_b};
   while (tile.stages > 3 && tile.SmemBytes() + tile.StaticSmemBytes() > 227 * 1024) {
     --tile.stages;
   }
@@ -464,8 +468,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
     while (splits < 8 && tiles * splits * 2 <= 2 * sms && k_tiles >= splits * 2 * 4) splits *= 2;
     if (splits > 1 && bn <= std::max<int64_t>(64, (kg + 63) / 64 * 64)) {
       // (float32 filters: deeper, as their stages hold twice the bytes of B in flight)
-      WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide);
-      t.splits = splits;
+      const WgmmaTile t = MakeWgmmaTile(64, bn, wide ? 6 : 4, wide, splits);
       candidates.insert(candidates.begin(), t);
       // Also a ring that holds each CTA's whole share of the reduction in flight (its
       // k-tiles plus the two stages the pipeline keeps behind the copies; up to 12): at batch
@@ -475,8 +478,7 @@ std::vector<WgmmaTile> WgmmaCandidates(const PlanSpec& spec, const DeviceInfo& d
       // from DRAM, as the autotuner now times small problems: autotune.cc.)
       const int per_cta = static_cast<int>(
           std::min<int64_t>((k_tiles + splits - 1) / splits + 2, 12));
-      WgmmaTile deep = MakeWgmmaTile(64, bn, per_cta, wide);
-      deep.splits = splits;
+      const WgmmaTile deep = MakeWgmmaTile(64, bn, per_cta, wide, splits);
       if (!wide && per_cta > t.stages && deep.stages == per_cta) {
         candidates.insert(candidates.begin() + 1, deep);
         deep_rings.push_back(deep);

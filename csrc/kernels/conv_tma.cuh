@@ -605,7 +605,6 @@ JF_DEVICE void consume(const TmaParams& args, const Ring& ring, float* staging,
 extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfuse::plan::kBlocks)
     jaxfuse_conv_tma(const __grid_constant__ jaxfuse::TmaParams args) {
   using namespace jaxfuse;
-  await_previous_kernel();  // (first: portable.h says why)
   using namespace jaxfuse::tma_conv;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ Epilogue::Channel terms[kConsumers][kBN];
@@ -629,6 +628,8 @@ extern "C" __global__ void __launch_bounds__(jaxfuse::tma_conv::kThreads, jaxfus
     tma::fence_barrier_init();
   }
   __syncthreads();
+  // (after the barriers' set-up, which overlaps the previous kernel's tail: portable.h)
+  await_previous_kernel();
   if (warpgroup == 0) {
     tma::release_registers<kProducerRegisters>();
     if (kTransposeB || thread == 0) produce(args, ring, thread);

@@ -52,35 +52,27 @@ JF_DEVICE void wait() {
 // Keeps the compiler from moving accumulator reads or writes across an asynchronous multiply.
 JF_DEVICE void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Thread-block clusters: a barrier over every thread of every CTA in the cluster (releasing
-// this CTA's shared-memory writes to the others), and a 16-byte read of CTA `rank`'s shared
-// memory at the address `local` has in this CTA's.
-JF_DEVICE void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
-               ::: "memory");
+// Thread-block clusters (split-K). The cluster barrier's arrive carries no release here: the
+// data crossing CTAs travels by st.async, whose bytes complete a transaction on the reader's
+// own barrier. (A release costs a GPU-scope MEMBAR: session 9 measured 0.5-0.9 us a layer.)
+// The barrier's two halves, for a wait placed well after the arrival.
+JF_DEVICE void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
-// The same barrier without the release: for a CTA's last wait on the others (none may leave
-// while another still reads its shared memory), whose remote reads have all returned (their
-// values are stored) before it arrives. The release would first wait for its global stores.
-// The PTX memory model orders nothing across a relaxed arrive: that the reads are done rests
-// on their values being stored ahead of it, which the SASS shows (NVRTC 13.0, sm_90a). The
-// formally ordered form (sums back to the CTA's own tile, arrive.release before any global
-// store, the wait at the end) was built and measured: its release still costs a GPU-scope
-// MEMBAR, and the split-K layers of ResNet-50 at batch 1 ran 0.5-0.9 us slower each (H100,
-// session 9, same call: 3x3/64 5.4 against 4.5 us; the whole network 357 against ~340 us).
-JF_DEVICE void cluster_sync_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n"
-               ::: "memory");
-}
-JF_DEVICE float4 load_cluster_shared(u32 local, u32 rank) {
-  u32 remote;
+JF_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
+// Two floats into CTA `rank`'s shared memory at the address `local` has in this CTA's; their
+// bytes complete a transaction on that CTA's barrier at `local_bar`'s address, so the reader
+// waits on its own barrier and no fence or cluster barrier orders the data.
+JF_DEVICE void store_cluster_async(u32 local, u32 local_bar, u32 rank, float a, float b) {
+  u32 remote, remote_bar;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(remote)
-               : "memory");
-  return v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote_bar)
+               : "r"(local_bar), "r"(rank));
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n"
+      ::"r"(remote), "f"(a), "f"(b), "r"(remote_bar)
+      : "memory");
 }
 
 // One k-tile (128 bytes of K: 64 16-bit values, or 32 fp32 ones) of a warpgroup's multiply, as
