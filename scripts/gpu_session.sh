@@ -117,8 +117,8 @@ if has layers && [[ -n ${LAYER_RUNS:-} ]]; then
     tag="${suite}_${dtype}_${layout}_${batches//,/_}"
     start=$(date +%s)
     timeout "$left" $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
-      --dtype "$dtype" --layout "$layout" --repeats 10 --json "$OUT/layers_$tag.json" \
-      --no-progress > "$OUT/layers_$tag.log" 2>&1
+      --dtype "$dtype" --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
+      --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
     echo "$run exit $? in $(( $(date +%s) - start )) s"
     grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
   done
