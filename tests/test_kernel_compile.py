@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax.numpy as jnp
 import pytest
@@ -164,6 +165,34 @@ def test_every_tile_variant_compiles(case: Case, arch: str) -> None:
         assert out["binary_bytes"] > 0 and out["tile"]
         tiles.add(out["tile"])
     assert len(tiles) == count, "variants are distinct tiles"
+
+
+# Split-K tiles (batch 1, 7x7 planes: clusters of 8 CTAs) reserve the receive area of their
+# partial sums (64 rows x (BN + 8) floats) beside the pipeline's stages, since the other CTAs'
+# sums arrive while a CTA may still be multiplying; unsplit tiles stage the epilogue's tile in
+# the stages themselves. NHWC and NCHW (A gathered) alike.
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_split_k_tiles_reserve_their_receive_area(layout: str) -> None:
+    case = Case(ops="CBNSA", dtype="bfloat16", layout=layout,
+                filter_layout="HWIO" if layout == "NHWC" else "OIHW", c=512, k=512, n=1, h=7,
+                w=7)
+    encoded = case.build()[0].signature.encode()
+    count = extension().gpu_compile_only("CUDA", encoded, "sm_90")["variants"]
+    split = 0
+    for variant in range(count):
+        out = extension().gpu_compile_only("CUDA", encoded, "sm_90", variant=variant)
+        tile = re.fullmatch(r"(\d+)x(\d+) s(\d+) b\d+(?: k/(\d+))?", out["tile"])
+        if out["solver"] != "conv_wgmma" or not tile:
+            continue
+        bm, bn, stages, splits = (int(g or 1) for g in tile.groups())
+        staged, receive = stages * (bm + bn) * 128, bm * (bn + 8) * 4
+        shared = out["entries"][0]["shared_bytes"]
+        if splits > 1:
+            split += 1
+            assert bm == 64 and shared == staged + receive + 1024
+        else:
+            assert shared == max(staged, receive) + 1024
+    assert split >= 2, "batch 1 on 7x7 planes offers split-K tiles"
 
 
 # The few-channel stem kernel (conv_stem.cuh) at its edges: 1 to 4 channels, 8 to 128 output
