@@ -88,6 +88,22 @@ def test_a_cpu_asks_a_wider_margin_than_a_gpu() -> None:
     assert find.margin("CPU") == find.CPU_MARGIN > find.margin("cuda") == find.MARGIN
 
 
+@pytest.mark.parametrize("device_us, host_us, expected", [
+    # The fused kernel device-bound: device time decides, XLA's launches notwithstanding.
+    ({"fused": 27.6, "xla": 24.9}, {"fused": 12.0, "xla": 36.7}, "xla"),
+    ({"fused": 20.0, "xla": 24.9}, {"fused": 12.0, "xla": 36.7}, "fused"),
+    # Launch-bound (batch 1): the longer of the two parts, so a cheap launch wins.
+    ({"fused": 7.0, "xla": 6.0}, {"fused": 9.0, "xla": 20.0}, "fused"),
+])
+def test_a_device_bound_fused_kernel_is_compared_on_device_time(device_us, host_us,
+                                                                expected) -> None:
+    times = {k: max(device_us[k], host_us[k]) for k in device_us}
+    assert find._faster(times, {}, "gpu", device_us, host_us) == expected
+    # Parts missing (CPUs, older records): the costs alone.
+    assert find._faster(times, {}, "gpu") == ("fused" if times["fused"] < 0.97 * times["xla"]
+                                              else "xla")
+
+
 def test_a_candidate_costs_the_longer_of_device_and_launch_time() -> None:
     from jaxfuse.measure import Timing
 
@@ -407,7 +423,7 @@ def test_fuse_follows_the_program_choice_over_the_plans_own(monkeypatch, tmp_pat
         monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(cache))
         jf._extension.extension().gpu_configure(str(cache / "kernels"), [])
         jf.clear_cache()
-        monkeypatch.setattr(find, "_faster", lambda times, failures, platform, own=own: own)
+        monkeypatch.setattr(find, "_faster", lambda *_, own=own: own)
         monkeypatch.setattr(fuse_module, "choose_for_program",
                             lambda chains, program=program: {c.key: program for c in chains})
         fused = jf.fuse(net, solver="auto")

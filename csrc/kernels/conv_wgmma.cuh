@@ -220,14 +220,22 @@ JF_DEVICE void multiply_stage(u32 stage, int warpgroup, float (&acc)[kBN / 2]) {
 }
 
 // Split-K: this CTA's accumulators (wgmma's layout, as in the kernel's epilogue), each row
-// into the receive area of the CTA that owns it, at slice `split`.
+// into the receive area of the CTA that owns it, at slice `split`. A thread holds rows row0
+// and row0 + 8 only, so it maps two owners' addresses once, not once a store.
 JF_DEVICE void send_partial_sums(const float (&acc)[kBN / 2], u32 receive, u32 landed, int split,
                                  int row0, int lane) {
+  u32 area[2], bar[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const u32 owner = static_cast<u32>((row0 + 8 * half) / kRows);
+    area[half] = wgmma::map_to_cluster_rank(receive, owner);
+    bar[half] = wgmma::map_to_cluster_rank(landed, owner);
+  }
 #pragma unroll
   for (int i = 0; i < kBN / 2; i += 2) {
-    const int row = row0 + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * (lane % 4);
-    const u32 slot = receive + ((split * kRows + row % kRows) * kCPitch + col) * 4u;
-    wgmma::store_cluster_async(slot, landed, static_cast<u32>(row / kRows), acc[i], acc[i + 1]);
+    const int half = (i % 4) / 2, row = row0 + 8 * half, col = 8 * (i / 4) + 2 * (lane % 4);
+    const u32 slot = area[half] + ((split * kRows + row % kRows) * kCPitch + col) * 4u;
+    wgmma::store_cluster_async(slot, bar[half], acc[i], acc[i + 1]);
   }
 }
 

@@ -60,15 +60,17 @@ JF_DEVICE void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
 }
 JF_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory"); }
-// Two floats into CTA `rank`'s shared memory at the address `local` has in this CTA's; their
-// bytes complete a transaction on that CTA's barrier at `local_bar`'s address, so the reader
-// waits on its own barrier and no fence or cluster barrier orders the data.
-JF_DEVICE void store_cluster_async(u32 local, u32 local_bar, u32 rank, float a, float b) {
-  u32 remote, remote_bar;
+// The address `local` has in this CTA's shared memory, in CTA `rank`'s (a CTA's window of the
+// cluster's shared memory is contiguous: offsets carry over).
+JF_DEVICE u32 map_to_cluster_rank(u32 local, u32 rank) {
+  u32 remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
-               : "=r"(remote_bar)
-               : "r"(local_bar), "r"(rank));
+  return remote;
+}
+// Two floats into another CTA's shared memory at `remote` (map_to_cluster_rank); their bytes
+// complete a transaction on that CTA's barrier at `remote_bar`, so the reader waits on its own
+// barrier and no fence or cluster barrier orders the data.
+JF_DEVICE void store_cluster_async(u32 remote, u32 remote_bar, float a, float b) {
   asm volatile(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];\n"
       ::"r"(remote), "f"(a), "f"(b), "r"(remote_bar)

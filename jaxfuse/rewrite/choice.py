@@ -1,7 +1,8 @@
 """Choosing solvers for a whole program's chains at once.
 
 Each plan's own choice (:mod:`jaxfuse.find`) charges a candidate the longer of its device time
-and its host's launch work, which is right for a plan run alone. In a program the host runs
+and its host's launch work (device time alone once the fused kernel is device-bound), which is
+right for a plan run alone. In a program the host runs
 ahead of the device: the program takes about the longer of the *sums*, all chains' device time
 against all chains' launch work. A batch-64 network is device-bound, so a chain XLA runs
 faster on the device should stay XLA's even where XLA's launches (cuDNN's host work is tens of
