@@ -367,6 +367,19 @@ def test_pointwise_variants_compile(dtype: str, n: int) -> None:
             "", "8B", "8B vector terms"]
 
 
+# NCHW at batch 1: terms of its own where a plane is whole vectors (one channel a vector).
+@pytest.mark.parametrize("dtype, hw, tiles", [
+    ("bfloat16", (14, 14), ["", "8B", "8B vector terms"]),  # 196 values: 4-lane vectors only
+    ("float16", (8, 8), ["", "vector terms", "8B", "8B vector terms"]),
+    ("float32", (14, 14), ["", "vector terms"]),
+    ("bfloat16", (5, 7), ["", "8B"]),  # planes of no whole vector: the table alone
+])
+def test_nchw_pointwise_variants_compile(dtype: str, hw: tuple[int, int],
+                                         tiles: list[str]) -> None:
+    case = Case(ops="BNA", dtype=dtype, layout="NCHW", n=1, c=1024, h=hw[0], w=hw[1])
+    assert [out["tile"] for out in _compile_every_variant(case, "sm_90")] == tiles
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", WALKING_DEPTHWISE_CASES, ids=str)
 def test_walking_depthwise_variants_compile(case: Case, arch: str) -> None:

@@ -1386,8 +1386,9 @@ PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& devic
 }
 
 // The pointwise kernel's variants, autotuned: first the block table of 16-byte vectors (the
-// heuristic's choice); for single vectors of fixed channels with per-channel parameters, each
-// thread reading its own terms (kVectorTerms); and for small 16-bit tensors, where the
+// heuristic's choice); for single vectors of fixed channels (NHWC) or of one channel (NCHW)
+// with per-channel parameters, each thread reading its own terms (kVectorTerms); and for
+// small 16-bit tensors, where the
 // kernel's time is a few memory latencies, both with 8-byte vectors (twice the threads, each
 // with half the work, as XLA's loop fusions at batch 1). On an H100 at batch 1 (session 9,
 // scripts/variant_sweep.py) these won every NA layer of the benchmark (2.9 / 3.0 / 1.7 us
@@ -1400,9 +1401,13 @@ std::vector<PointwiseShape> PointwiseShapes(const PlanSpec& spec, const DeviceIn
     const PointwiseLaunch launch = PointwiseLaunchFor(spec, device, table);
     if (!launch.single) return;
     if (vec_bytes != 16) shapes.push_back(table);
-    // Terms of its own: 4 channels or more a thread (whole 16-byte parameter loads).
-    if (launch.fixed_channels && per_channel &&
-        vec_bytes / static_cast<int>(dtype_size(spec.dtype)) % 4 == 0) {
+    const int lanes = vec_bytes / static_cast<int>(dtype_size(spec.dtype));
+    // Terms of its own: NHWC with 4 channels or more a thread (whole 16-byte parameter
+    // loads), or NCHW planes of whole vectors (one channel a vector: a block spans a few
+    // channels, and a table would fold all C of them).
+    const bool channel_per_vector =
+        spec.layout == Layout::kNCHW && (spec.h * spec.w) % lanes == 0;
+    if (per_channel && ((launch.fixed_channels && lanes % 4 == 0) || channel_per_vector)) {
       shapes.push_back({vec_bytes, true});
     }
   };

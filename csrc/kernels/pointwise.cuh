@@ -30,9 +30,11 @@ constexpr i64 kVectorsPerPixel = C / kLanes;
 // and its threads read their channels' terms from shared memory (batch 1 is latency bound).
 //
 // kVectorTerms (a code-generator variant, autotuned against the table): a thread with a single
-// vector of fixed channels reads its kLanes channels' parameters itself, 16 bytes at a time
-// (kLanes / 4 loads per parameter array instead of kLanes), issued with its vector's load: no
-// block-wide table, no barrier before the first store. (kLanes is a multiple of 4 there.)
+// vector reads its channels' parameters itself, issued with its vector's load: no block-wide
+// table, no barrier before the first store. NHWC (fixed channels): its kLanes channels, 16
+// bytes at a time (kLanes / 4 loads per parameter array; kLanes is a multiple of 4 there).
+// NCHW (one channel a vector): that channel's, where a table would fold all C channels for a
+// block that reads a few (1024 channels of 14x14 at batch 1: 5 a block).
 constexpr bool kChannelTable =
     (!kFixedChannels || kSingleVector) && C <= kMaxTableChannels && !kVectorTerms;
 
