@@ -198,8 +198,8 @@ _VARIANTS_CHILD = textwrap.dedent("""
                  Case(ops="NSA", c=256, n=1, h=14, w=14, dtype="float16", layout="NHWC"),
                  Case(ops="BNA", c=32, n=2, h=9, w=9, activation="elu", dtype="float32",
                       layout="NHWC"),
-                 # ... and NCHW (8-byte vectors; own terms where a plane is whole vectors), one channel a vector
-                 # for planes of 4k values (10x6) and not for others (5x7).
+                 # ... and NCHW, which keep one channel a vector (8-byte vectors, then each
+                 # thread's own terms) for planes of 4k values (10x6), not for others (5x7).
                  Case(ops="BNA", c=24, n=1, h=10, w=6, dtype="float16", layout="NCHW"),
                  Case(ops="NSA", c=16, n=1, h=5, w=7, dtype="bfloat16", layout="NCHW"),
                  # Elements past the last whole vector, and NHWC channels in whole 8-byte
