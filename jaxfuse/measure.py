@@ -53,6 +53,16 @@ _MAX_SETS = 8
 # 3x3 256 bf16 chain at batch 8 (1.2 MB of filters) took 2.35 s to choose on eight sets and
 # its 3x3 512 chain at batch 8 2.1-2.4 s on four to seven, above issue #11's 2 s.
 _CPU_CACHE_BYTES = 32 << 20
+# CPUs: plans without a convolution (tens to hundreds of microseconds a set at batch 1 and 8)
+# are timed on at least this many sets, one after another (Harness.compile's `sequential`).
+# On one set, on the 2-core VM (2026-11-27), XLA's loop for batch-1 NA chains timed 1.3-2x
+# its time among the layer benchmark's 16 sets, while the fused kernel timed the same, and the
+# find step kept the fused kernel for every fp32 and fp16 chain, 6 of 12 slower in the
+# benchmark (0.68-0.95x); on 8 sequential sets it kept XLA's for most of them. Only while the
+# sets take at most _CPU_POINTWISE_BYTES: a batch-8 chain of 64 channels of 112x112 in fp32
+# (51 MB a set) timed XLA's loop 2.6x slow on 8 sets (faulting in 100 MB of outputs a run).
+_CPU_POINTWISE_SETS = 8
+_CPU_POINTWISE_BYTES = 64 << 20
 _CPU_COLD_FILTERS = _CPU_CACHE_BYTES // _MAX_SETS
 _CPU_COLD_PIXELS = 256
 # Input sets up to this many elements are drawn on the host and copied, larger ones on the
@@ -107,6 +117,8 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and
             math.prod(signature.output_shape) <= _CPU_COLD_PIXELS * signature.conv.out_channels):
         count = max(count, min(_MAX_SETS, -(-_CPU_CACHE_BYTES // filters)))
+    if kind == "cpu" and signature.conv is None:
+        count = max(count, min(_CPU_POINTWISE_SETS, _CPU_POINTWISE_BYTES // max(nbytes, 1)))
     return count
 
 
@@ -180,16 +192,22 @@ class Harness:
     stopwatch: int | None = None
 
     @classmethod
-    def compile(cls, fn: Callable[..., jax.Array],
-                sets: Sequence[tuple[jax.Array, ...]], device: Any) -> Harness:
+    def compile(cls, fn: Callable[..., jax.Array], sets: Sequence[tuple[jax.Array, ...]],
+                device: Any, sequential: bool = False) -> Harness:
         """Compiles ``[fn(*s, TIMING_SCALARS) for s in sets]`` as one program (raises if `fn`
-        cannot)."""
+        cannot). `sequential` (CPUs): each set's op starts once the one before has ended, as a
+        network's layers run, not side by side as XLA may schedule independent ops."""
         platform = _platform_kind(device)
         stopwatch = _new_stopwatch(device) if platform == "gpu" else None
 
         def program(many: list[tuple[jax.Array, ...]]) -> Any:
             if stopwatch is None:
-                return [fn(*s, TIMING_SCALARS) for s in many], None
+                outs: list[jax.Array] = []
+                for s in many:
+                    if outs and sequential:  # this set's operands wait for the last output
+                        outs[-1], s = lax.optimization_barrier((outs[-1], s))
+                    outs.append(fn(*s, TIMING_SCALARS))
+                return outs, None
             start = _mark(stopwatch, 0)
             # Every candidate op waits for the start mark: nothing of theirs runs before it.
             start, many = lax.optimization_barrier((start, many))

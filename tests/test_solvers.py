@@ -86,6 +86,11 @@ def test_a_cpu_asks_a_wider_margin_than_a_gpu() -> None:
     assert find._faster(times, {}, "gpu") == "fused"
     assert find._faster(times, {}, "cpu") == "xla"
     assert find.margin("CPU") == find.CPU_MARGIN > find.margin("cuda") == find.MARGIN
+    # CPU loops without a convolution, at par where they are close: a wider margin still.
+    assert find.margin("cpu", pointwise=True) == find.CPU_POINTWISE_MARGIN > find.CPU_MARGIN
+    assert find.margin("gpu", pointwise=True) == find.MARGIN
+    assert find._faster({"fused": 85.0, "xla": 100.0}, {}, "cpu", pointwise=True) == "xla"
+    assert find._faster({"fused": 75.0, "xla": 100.0}, {}, "cpu", pointwise=True) == "fused"
 
 
 @pytest.mark.parametrize("device_us, host_us, expected", [
@@ -102,6 +107,27 @@ def test_a_device_bound_fused_kernel_is_compared_on_device_time(device_us, host_
     # Parts missing (CPUs, older records): the costs alone.
     assert find._faster(times, {}, "gpu") == ("fused" if times["fused"] < 0.97 * times["xla"]
                                               else "xla")
+
+
+def test_cpu_pointwise_plans_are_timed_on_sets_in_sequence() -> None:
+    from jaxfuse import measure
+
+    cpu = jax.devices("cpu")[0]
+    small = Case(ops="NA", dtype="float32", layout="NHWC", n=1, c=64, h=56, w=56)
+    large = Case(ops="NA", dtype="float32", layout="NHWC", n=8, c=64, h=112, w=112)
+    conv = Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", n=1, c=64,
+                h=56, w=56, k=64)
+    assert measure.set_count(small.build()[0].signature, cpu) == 8
+    assert measure.set_count(large.build()[0].signature, cpu) == 1  # 51 MB a set
+    assert measure.set_count(conv.build()[0].signature, cpu) == 2  # the 4 MB budget, as before
+    # In sequence, each set's op after the last one's output: the same results as side by side.
+    signature = small.build()[0].signature
+    sets = measure.random_operands(signature, cpu, 3)
+    outs = [measure.Harness.compile(solvers.xla_function(signature), sets, cpu,
+                                    sequential=sequential).run_all(sets)[0]
+            for sequential in (False, True)]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_candidate_costs_the_longer_of_device_and_launch_time() -> None:
@@ -423,7 +449,7 @@ def test_fuse_follows_the_program_choice_over_the_plans_own(monkeypatch, tmp_pat
         monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(cache))
         jf._extension.extension().gpu_configure(str(cache / "kernels"), [])
         jf.clear_cache()
-        monkeypatch.setattr(find, "_faster", lambda *_, own=own: own)
+        monkeypatch.setattr(find, "_faster", lambda *_, own=own, **__: own)
         monkeypatch.setattr(fuse_module, "choose_for_program",
                             lambda chains, program=program: {c.key: program for c in chains})
         fused = jf.fuse(net, solver="auto")
