@@ -413,6 +413,24 @@ def test_a_device_bound_program_chooses_by_device_time() -> None:
     assert choose_for_program(small) == {"a": "xla", "gemm": "xla"}
 
 
+def test_a_program_near_launch_bound_fuses_chains_no_slower_and_cheaper_to_launch() -> None:
+    from jaxfuse.rewrite.choice import choose_for_program
+
+    # Batch 8: launches half the device work or more (the program's other host work is not in
+    # the sums). A 3x3 chain 3% faster fused on the device, a quarter of the launch work:
+    # fused, although within the margin. One a little slower on the device stays XLA's.
+    def program(big_device: float) -> list:
+        return [_costs("3x3", (13.6, 7.8), (14.0, 32.2), count=5),
+                _costs("slower", (14.5, 7.8), (14.0, 32.2)),
+                _costs("big", (big_device, 8.0), (big_device * 1.3, 30.0), count=10)]
+
+    assert choose_for_program(program(30.0)) == {"3x3": "fused", "slower": "xla",
+                                                 "big": "fused"}
+    # Batch 64: the device work far outweighs every launch; the margin alone decides.
+    assert choose_for_program(program(300.0)) == {"3x3": "xla", "slower": "xla",
+                                                  "big": "fused"}
+
+
 def test_a_launch_bound_program_moves_chains_to_cheap_launches() -> None:
     from jaxfuse.rewrite.choice import choose_for_program
 

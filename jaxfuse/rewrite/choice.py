@@ -10,9 +10,11 @@ microseconds) are longer than the fused kernel's; a batch-1 network is launch-bo
 chains, one cheap launch each, win even where XLA's kernels are a little faster.
 
 So, per scope of :func:`jaxfuse.fuse`: start from the device-time choice (the fused kernel
-where it is :data:`PROGRAM_MARGIN` faster), and while the launches outweigh the device work,
-move to the fused kernel the chain that shortens the longer sum most. Work outside the chains
-is the same either way and is left out.
+where it is :data:`PROGRAM_MARGIN` faster; where the launches are at least
+:data:`PROGRAM_LAUNCH_SHARE` of the device work, also where it is no slower and cheaper to
+launch), and while the launches outweigh the device work, move to the fused kernel the chain
+that shortens the longer sum most. Work outside the chains is the same either way and is left
+out of the sums.
 
 Finally the choice must shorten the program's estimated time (the longer sum) by
 :data:`PROGRAM_MIN_GAIN` against leaving every chain to XLA, or every chain is left to XLA: a
@@ -36,12 +38,20 @@ from collections.abc import Hashable, Sequence
 from ..find import FUSED
 from ..solvers import XLA
 
-__all__ = ["PROGRAM_MARGIN", "PROGRAM_MIN_GAIN", "ChainCosts", "choose_for_program"]
+__all__ = ["PROGRAM_LAUNCH_SHARE", "PROGRAM_MARGIN", "PROGRAM_MIN_GAIN", "ChainCosts",
+           "choose_for_program"]
 
 # In a device-bound program a chain runs fused only if that is this much faster on the device.
 PROGRAM_MARGIN = 0.10
 # ... and the program's choice must be this much faster than all-XLA, or all-XLA it is.
 PROGRAM_MIN_GAIN = 0.03
+# A program whose chains' launch work is this share of their device work or more may be
+# launch-bound (see choose_for_program). On an H100 (2026-11-27) ResNet-50 bf16 at batch 8
+# (launch sum near the device sum) kept five 3x3 chains on XLA by the margin (14.0 against
+# 13.6 us on the device, 32.2 against 7.8 us of launch work) and ran 1.22 ms a call against
+# 0.90 ms with every chain fused; at batch 64 and 256, where the sums are far apart, the two
+# programs ran within 3% of each other.
+PROGRAM_LAUNCH_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +71,11 @@ class ChainCosts:
         return all(k in self.device_us and k in self.host_us for k in (FUSED, XLA))
 
 
+def _dominates(c: ChainCosts) -> bool:
+    """The fused kernel no slower on the device and cheaper to launch."""
+    return c.device_us[FUSED] <= c.device_us[XLA] and c.host_us[FUSED] < c.host_us[XLA]
+
+
 def choose_for_program(chains: Sequence[ChainCosts]) -> dict[Hashable, str]:
     """FUSED or XLA for each chain's key (see the module docstring); unmeasured chains keep
     their own choice."""
@@ -78,6 +93,15 @@ def choose_for_program(chains: Sequence[ChainCosts]) -> dict[Hashable, str]:
 
     all_xla = {**choice, **{c.key: XLA for c in measured}}
     device, host = total("device_us", choice), total("host_us", choice)
+    if host >= PROGRAM_LAUNCH_SHARE * device:
+        # The sums leave out the program's host work outside its chains (JAX's dispatch of
+        # its arguments, XLA's other launches), so such a program may well be launch-bound:
+        # a chain whose fused kernel is no slower on the device and cheaper to launch runs
+        # fused, whichever it turns out to be.
+        for c in measured:
+            if choice[c.key] == XLA and _dominates(c):
+                choice[c.key] = FUSED
+        device, host = total("device_us", choice), total("host_us", choice)
     while host > device:
         best, best_span = None, host
         for c in measured:
