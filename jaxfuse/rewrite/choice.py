@@ -2,12 +2,12 @@
 
 Each plan's own choice (:mod:`jaxfuse.find`) charges a candidate the longer of its device time
 and its host's launch work (device time alone once the fused kernel is device-bound), which is
-right for a plan run alone. In a program the host runs
-ahead of the device: the program takes about the longer of the *sums*, all chains' device time
-against all chains' launch work. A batch-64 network is device-bound, so a chain XLA runs
-faster on the device should stay XLA's even where XLA's launches (cuDNN's host work is tens of
-microseconds) are longer than the fused kernel's; a batch-1 network is launch-bound, so fused
-chains, one cheap launch each, win even where XLA's kernels are a little faster.
+right for a plan run alone. In a program the host runs ahead of the device: the program takes
+about the longer of the *sums*, all chains' device time against all chains' launch work. A
+batch-64 network is device-bound, so a chain XLA runs faster on the device should stay XLA's
+even where XLA's launches (cuDNN's host work is tens of microseconds) are longer than the fused
+kernel's; a batch-1 network is launch-bound, so fused chains, one cheap launch each, win even
+where XLA's kernels are a little faster.
 
 So, per scope of :func:`jaxfuse.fuse`: start from the device-time choice (the fused kernel
 where it is :data:`PROGRAM_MARGIN` faster; where the launches are at least
