@@ -1388,9 +1388,8 @@ PointwiseLaunch PointwiseLaunchFor(const PlanSpec& spec, const DeviceInfo& devic
 // The pointwise kernel's variants, autotuned: first the block table of 16-byte vectors (the
 // heuristic's choice); for single vectors of fixed channels (NHWC) or of one channel (NCHW)
 // with per-channel parameters, each thread reading its own terms (kVectorTerms); and for
-// small 16-bit tensors, where the
-// kernel's time is a few memory latencies, both with 8-byte vectors (twice the threads, each
-// with half the work, as XLA's loop fusions at batch 1). On an H100 at batch 1 (session 9,
+// small 16-bit tensors, where the kernel's time is a few memory latencies, both with 8-byte
+// vectors (twice the threads, each with half the work, as XLA's loop fusions at batch 1). On an H100 at batch 1 (session 9,
 // scripts/variant_sweep.py) these won every NA layer of the benchmark (2.9 / 3.0 / 1.7 us
 // against 3.2 / 3.3 / 2.3 us for the first); blocks of 128 threads gained nothing.
 std::vector<PointwiseShape> PointwiseShapes(const PlanSpec& spec, const DeviceInfo& device) {
