@@ -40,9 +40,12 @@ ulimit -c 0  # (a probe cut by SIGABRT at its cap leaves no core file of a GPU p
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export JAXFUSE_CACHE_DIR="/tmp/jaxfuse-cache"; rm -rf "$JAXFUSE_CACHE_DIR"
+# (scripts/gpu_parallel.sh gives each of its runs a cache of its own)
+export JAXFUSE_CACHE_DIR="${JAXFUSE_CACHE_DIR:-/tmp/jaxfuse-cache}"; rm -rf "$JAXFUSE_CACHE_DIR"
 if [[ -f .prebuilt/jaxfuse-cache.tgz ]]; then
-  tar xzf .prebuilt/jaxfuse-cache.tgz -C /tmp && echo "kernel cache: carried ($(du -sh "$JAXFUSE_CACHE_DIR" | cut -f1))"
+  mkdir -p "$JAXFUSE_CACHE_DIR" &&
+    tar xzf .prebuilt/jaxfuse-cache.tgz -C "$JAXFUSE_CACHE_DIR" --strip-components=1 &&
+    echo "kernel cache: carried ($(du -sh "$JAXFUSE_CACHE_DIR" | cut -f1))"
 fi
 py=python3
 sections=" $* "
@@ -61,21 +64,25 @@ capped() {
 
 echo "== build"
 start=$(date +%s)
-csrc_hash=$(git rev-parse HEAD:csrc 2>/dev/null || echo none)
-if [[ -n $(git status --porcelain csrc 2>/dev/null) ]]; then csrc_hash="dirty-$(date +%s)"; fi
-prebuilt=$(ls .prebuilt/_jaxfuse_ext*.so 2>/dev/null | head -1)
-# REUSE_BUILD=1 trusts a carried build whatever the hash says (the copied tree's csrc can read
-# as modified to git there although its files are the committed ones).
-if [[ -n $prebuilt && ( "${REUSE_BUILD:-0}" == 1 ||
-      "$(cat .prebuilt/csrc_hash 2>/dev/null)" == "$csrc_hash" ) ]]; then
-  cp "$prebuilt" jaxfuse/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "reused the carried build of csrc $csrc_hash"
+if [[ ${NO_BUILD:-0} == 1 ]]; then
+  echo "no build: jaxfuse as the caller left it (scripts/gpu_parallel.sh builds once)"
 else
-  $py -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log"; exit 1; }
-  so=$($py -c "import jaxfuse._jaxfuse_ext as m; print(m.__file__)")
-  cp "$so" "$OUT/" && echo "$csrc_hash" > "$OUT/csrc_hash"
-  echo "built in $(( $(date +%s) - start )) s"
+  csrc_hash=$(git rev-parse HEAD:csrc 2>/dev/null || echo none)
+  if [[ -n $(git status --porcelain csrc 2>/dev/null) ]]; then csrc_hash="dirty-$(date +%s)"; fi
+  prebuilt=$(ls .prebuilt/_jaxfuse_ext*.so 2>/dev/null | head -1)
+  # REUSE_BUILD=1 trusts a carried build whatever the hash says (the copied tree's csrc can read
+  # as modified to git there although its files are the committed ones).
+  if [[ -n $prebuilt && ( "${REUSE_BUILD:-0}" == 1 ||
+        "$(cat .prebuilt/csrc_hash 2>/dev/null)" == "$csrc_hash" ) ]]; then
+    cp "$prebuilt" jaxfuse/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "reused the carried build of csrc $csrc_hash"
+  else
+    $py -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 \
+      || { tail -40 "$OUT/build.log"; exit 1; }
+    so=$($py -c "import jaxfuse._jaxfuse_ext as m; print(m.__file__)")
+    cp "$so" "$OUT/" && echo "$csrc_hash" > "$OUT/csrc_hash"
+    echo "built in $(( $(date +%s) - start )) s"
+  fi
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 $py -m jaxfuse info | head -8
@@ -245,12 +252,15 @@ if has xla; then
   done
 fi
 if has cache; then
-  tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
+  tar czf "$OUT/jaxfuse-cache.tgz" -C "$(dirname "$JAXFUSE_CACHE_DIR")" \
+    "$(basename "$JAXFUSE_CACHE_DIR")" && ls -la "$OUT/jaxfuse-cache.tgz"
 fi
 # At most 8 files come back from a call: the logs, JSON and plots go back as one archive beside
 # the build and the kernel cache.
-(cd "$OUT" && ls | grep -v -E '\.so$|^csrc_hash$|^jaxfuse-cache\.tgz$|^logs\.tgz$' > /tmp/jaxfuse-logs.txt
- if [[ -s /tmp/jaxfuse-logs.txt ]]; then
+logs=$(mktemp)
+(cd "$OUT" && ls | grep -v -E '\.so$|^csrc_hash$|^jaxfuse-cache\.tgz$|^logs\.tgz$' > "$logs"
+ if [[ -s $logs ]]; then
    rm -f logs.tgz  # (an earlier run's, where $OUT is reused)
-   tar czf logs.tgz -T /tmp/jaxfuse-logs.txt && xargs rm -rf < /tmp/jaxfuse-logs.txt
+   tar czf logs.tgz -T "$logs" && xargs rm -rf < "$logs"
  fi)
+rm -f "$logs"
