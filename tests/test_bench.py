@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import jax
@@ -143,3 +144,44 @@ def test_device_time_counts_overlapping_kernels_once() -> None:
     assert busy_ns([]) == 0
     # Each kernel's part past every earlier one's end: what it adds to the union.
     assert exposed_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == [10, 4, 0, 1]
+
+
+def test_whole_models_are_timed_in_turns() -> None:
+    from jaxfuse.bench.end_to_end import forward_seconds_interleaved
+
+    calls: list[str] = []
+
+    def program(name: str):
+        def fn(x):
+            calls.append(name)
+            return jnp.asarray(x)
+        return fn
+
+    times = forward_seconds_interleaved({"a": program("a"), "b": program("b")}, (1.0,),
+                                        calls=2, repeats=2)
+    assert set(times) == {"a", "b"} and all(t > 0 for t in times.values())
+    # Two calls each to size the blocks, then two rounds of two-call blocks, the order rotating.
+    assert calls == ["a", "a", "b", "b", "a", "a", "b", "b", "b", "b", "a", "a"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_model_run_saves_each_row_as_it_finishes(tmp_path, monkeypatch, capsys) -> None:
+    from jaxfuse.bench import end_to_end
+
+    done: list[int] = []
+
+    def fake_run(name, batch, dtype, size, device, modes, devices):
+        # The rows before this one are already on disk when the next starts.
+        if done:
+            assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == len(done)
+        done.append(batch)
+        return {"model": name, "batch": batch, "dtype": dtype, "devices": devices,
+                "plain_ms": 2.0, "auto_ms": 1.0, "auto_speedup": 2.0}
+
+    monkeypatch.setattr(end_to_end, "run", fake_run)
+    end_to_end.main(["--platform", "cpu", "--model", "resnet50", "--batch", "1", "8",
+                     "--dtype", "float32", "--json", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 8] and all("row_s" in r for r in rows)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "device: cpu" and len(table) == 4 and table[2].startswith("resnet50")
