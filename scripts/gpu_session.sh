@@ -48,6 +48,8 @@ if [[ -f .prebuilt/jaxfuse-cache.tgz ]]; then
     echo "kernel cache: carried ($(du -sh "$JAXFUSE_CACHE_DIR" | cut -f1))"
 fi
 py=python3
+# shellcheck source=scripts/gpu_runs.sh
+source "$(dirname "$0")/gpu_runs.sh"
 sections=" $* "
 has() { [[ $sections == *" $1 "* ]]; }
 # Runs "$@" under a time cap in a process group of its own and ends the whole group after it:
@@ -118,16 +120,9 @@ if has layers && [[ -n ${LAYER_RUNS:-} ]]; then
   echo "== layer benchmarks, runs (forced kernel and auto against XLA)"
   deadline=$(( $(date +%s) + ${LAYERS_CAP:-300} ))
   for run in $LAYER_RUNS; do
-    IFS=: read -r suite dtype layout batches <<< "$run"
     left=$(( deadline - $(date +%s) ))
     (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
-    tag="${suite}_${dtype}_${layout}_${batches//,/_}"
-    start=$(date +%s)
-    timeout "$left" $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
-      --dtype "$dtype" --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
-      --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
-    echo "$run exit $? in $(( $(date +%s) - start )) s"
-    grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
+    layer_run "$run" "$left"
   done
 elif has layers; then
   echo "== layer benchmarks (forced kernel and auto against XLA)"
@@ -152,15 +147,9 @@ if has models; then
   echo "== end to end: Flax models, plain jit vs jit(fuse(apply)) auto and forced"
   deadline=$(( $(date +%s) + ${MODELS_CAP:-300} ))
   for run in ${MODEL_RUNS:-resnet50:bfloat16:1,64}; do
-    IFS=: read -r model dtype batches <<< "$run"
     left=$(( deadline - $(date +%s) ))
     (( left > 20 )) || { echo "skipped $run: out of time"; continue; }
-    # shellcheck disable=SC2086
-    timeout "$left" $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
-      --batch ${batches//,/ } --solver ${MODEL_SOLVERS:-auto fused} \
-      --json "$OUT/models_${model}_${dtype}.json" \
-      >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
-    echo "$run exit $?"
+    model_run "$run" "$left"
   done
   cat "$OUT/models.log"
 fi

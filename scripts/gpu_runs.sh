@@ -1,0 +1,37 @@
+# Sourced by scripts/gpu_session.sh and scripts/gpu_parallel.sh: one benchmark run each, its
+# logs and JSON under $OUT, its table printed, within the seconds it is given.
+#   layer_run SUITE:DTYPE:LAYOUT:BATCHES SECONDS   (python -m jaxfuse.bench; LAYER_MATCH)
+#   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
+#                                                   MODEL_SOLVERS, default "auto fused")
+# Batches are comma-separated. Both use $py and $OUT, and return the benchmark's exit status
+# (124: cut at its time).
+
+layer_run() {
+  local suite dtype layout batches start tag rc
+  IFS=: read -r suite dtype layout batches <<< "$1"
+  tag="${suite}_${dtype}_${layout}_${batches//,/_}"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$2" $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
+    --dtype "$dtype" --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
+    --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
+  rc=$?
+  echo "$1 exit $rc in $(( $(date +%s) - start )) s"
+  grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
+  return $rc
+}
+
+model_run() {
+  local model dtype batches start rc
+  IFS=: read -r model dtype batches <<< "$1"
+  start=$(date +%s)
+  # (rows are printed as they finish: a run cut at its time keeps them)
+  # shellcheck disable=SC2086
+  timeout "$2" $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
+    --batch ${batches//,/ } --solver ${MODEL_SOLVERS:-auto fused} \
+    --json "$OUT/models_${model}_${dtype}.json" \
+    >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
+  rc=$?
+  echo "$1 exit $rc in $(( $(date +%s) - start )) s"
+  return $rc
+}
