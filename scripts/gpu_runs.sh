@@ -4,7 +4,8 @@
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
 # Batches are comma-separated. Both use $py and $OUT, and return the benchmark's exit status
-# (124: cut at its time).
+# (124: cut at its time; SIGABRT then has Python print every thread's stack into the log, to
+# tell a slow step from a stuck one).
 
 layer_run() {
   local suite dtype layout batches start tag rc
@@ -12,7 +13,8 @@ layer_run() {
   tag="${suite}_${dtype}_${layout}_${batches//,/_}"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  timeout "$2" $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
     --dtype "$dtype" --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
     --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
   rc=$?
@@ -27,7 +29,8 @@ model_run() {
   start=$(date +%s)
   # (rows are printed as they finish: a run cut at its time keeps them)
   # shellcheck disable=SC2086
-  timeout "$2" $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
     --batch ${batches//,/ } --solver ${MODEL_SOLVERS:-auto fused} \
     --json "$OUT/models_${model}_${dtype}.json" \
     >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
