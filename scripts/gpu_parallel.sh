@@ -22,6 +22,7 @@
 # (their entries are files named by key) into $OUT/jaxfuse-cache.tgz. The GPUs' logs are
 # $OUT/gpu<i>.log, printed at the end.
 set -uo pipefail
+ulimit -c 0  # (a run cut by SIGABRT at its time leaves no core file of a GPU process)
 OUT=${OUT:-/tmp/jaxfuse-out}
 mkdir -p "$OUT"
 py=${PY:-python3}  # (PY: a stand-in for trying the script without a GPU)
