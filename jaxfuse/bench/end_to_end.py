@@ -255,11 +255,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{_line(rows[-1])} {rows[-1]['row_s']:9.0f}", flush=True)
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                     if args.json:
-                        args.json.parent.mkdir(parents=True, exist_ok=True)
-                        args.json.write_text(json.dumps({"device": device.device_kind,
-                                                         "jax": jax.__version__,
-                                                         "rows": rows}, indent=1))
+                        _save(args.json, device, rows)
     return 0
+
+
+def _save(path: Path, device: Any, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": device.device_kind, "jax": jax.__version__,
+                                "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
