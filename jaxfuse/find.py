@@ -340,8 +340,12 @@ def _environment_key(device_kind: str, platform: str) -> str:
 
 
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
-    environment = _environment_key(device.device_kind, device.platform.lower())
+    platform = device.platform.lower()
+    environment = _environment_key(device.device_kind, platform)
+    # v6 (CPUs only: GPU decisions are measured as in v5): CPU plans with a convolution timed
+    # on up to 8 sets while they take at most 16 MB (measure.set_count).
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).
     # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
     # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
-    return f"jaxfuse-solver-v5|{environment}|{fused.label}|{signature.encode()}"
+    version = 6 if platform == "cpu" else 5
+    return f"jaxfuse-solver-v{version}|{environment}|{fused.label}|{signature.encode()}"

@@ -61,8 +61,16 @@ _CPU_CACHE_BYTES = 32 << 20
 # benchmark (0.68-0.95x); on 8 sequential sets it kept XLA's for most of them. Only while the
 # sets take at most _CPU_POINTWISE_BYTES: a batch-8 chain of 64 channels of 112x112 in fp32
 # (51 MB a set) timed XLA's loop 2.6x slow on 8 sets (faulting in 100 MB of outputs a run).
-_CPU_POINTWISE_SETS = 8
+_CPU_SETS = 8
 _CPU_POINTWISE_BYTES = 64 << 20
+# CPUs: plans with a convolution, while their sets take at most _CPU_CONV_BYTES, likewise (side
+# by side, as the layer benchmark runs them). On one to three sets, on the 2-core VM
+# (2026-11-28), XLA's composition of fp16 NCHW 1x1 chains timed 1.4-1.8x its time on eight
+# (96->576 at 14x14, batch 8: 2052-2087 against 1260-1286 us) while the fused kernel timed the
+# same, and the find step kept kernels the benchmark timed at 0.80-0.93x; on eight sets it kept
+# XLA's, as the benchmark's times would. Larger sets take milliseconds each: eight of them
+# would cost the find step seconds (ResNet-50's 3x3 256 bf16 chain at batch 8 took 2.35 s).
+_CPU_CONV_BYTES = 16 << 20
 _CPU_COLD_FILTERS = _CPU_CACHE_BYTES // _MAX_SETS
 _CPU_COLD_PIXELS = 256
 # Input sets up to this many elements are drawn on the host and copied, larger ones on the
@@ -98,10 +106,11 @@ def _platform_kind(device: Any) -> str:
 
 
 def set_count(signature: PlanSignature, device: Any) -> int:
-    """How many distinct input sets fit the harness's memory budget (1 to 8); on CPUs, for
-    filters of :data:`_CPU_COLD_FILTERS` or more read for at most :data:`_CPU_COLD_PIXELS`
-    output pixels, at least enough that their filters together exceed
-    :data:`_CPU_CACHE_BYTES`.
+    """How many distinct input sets fit the harness's memory budget (1 to 8). On CPUs at
+    least :data:`_CPU_SETS` while they take at most :data:`_CPU_CONV_BYTES`
+    (:data:`_CPU_POINTWISE_BYTES` without a convolution), and, for filters of
+    :data:`_CPU_COLD_FILTERS` or more read for at most :data:`_CPU_COLD_PIXELS` output pixels,
+    at least enough that their filters together exceed :data:`_CPU_CACHE_BYTES`.
 
     A network reads each layer's filters from memory once a call, so a candidate timed on
     one set of filters, hot in the cache from run to run, is timed in conditions no model
@@ -117,8 +126,9 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and
             math.prod(signature.output_shape) <= _CPU_COLD_PIXELS * signature.conv.out_channels):
         count = max(count, min(_MAX_SETS, -(-_CPU_CACHE_BYTES // filters)))
-    if kind == "cpu" and signature.conv is None:
-        count = max(count, min(_CPU_POINTWISE_SETS, _CPU_POINTWISE_BYTES // max(nbytes, 1)))
+    if kind == "cpu":
+        bound = _CPU_POINTWISE_BYTES if signature.conv is None else _CPU_CONV_BYTES
+        count = max(count, min(_CPU_SETS, bound // max(nbytes, 1)))
     return count
 
 

@@ -95,7 +95,6 @@ ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], str]] = {
     "where(y < 0, 0, y)": (lambda y: jnp.where(y < 0, 0.0, y), "relu"),
     "maximum(y, 0.1 y)": (lambda y: jnp.maximum(y, 0.1 * y), "leaky_relu"),
     "1 / (1 + exp(-y))": (lambda y: 1 / (1 + jnp.exp(-y)), "logistic"),
-    "log1p(exp(y))": (lambda y: jnp.log1p(jnp.exp(y)), "softrelu"),
     # jax.nn's activations beyond MIOpen's, and the forms people write them in.
     "jax.nn.silu": (jax.nn.silu, "silu"),
     "y * sigmoid(y)": (lambda y: y * jax.nn.sigmoid(y), "silu"),
@@ -151,6 +150,31 @@ NAN_KEEPING_FORMS: dict[str, tuple[Callable[[jax.Array], jax.Array], str]] = {
         y < 0, jnp.expm1(jnp.where(y < 0, y, 0.0)), y), "elu"),
     "lax.clamp(0, y, 6)": (lambda y: lax.clamp(0.0, y, 6.0), "clipped_relu"),
 }
+
+
+# softplus written as log(1 + exp(y)): exp overflows to +inf where softrelu gives y, so it is
+# left alone; inside mish, tanh takes that +inf to 1 as the epilogue does, so mish fuses.
+OVERFLOWING_SOFTPLUS_FORMS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "log1p(exp(y))": lambda y: jnp.log1p(jnp.exp(y)),
+    "log(1 + exp(y))": lambda y: jnp.log(1 + jnp.exp(y)),
+    "log(exp(y) + 1)": lambda y: jnp.log(jnp.exp(y) + 1),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", list(OVERFLOWING_SOFTPLUS_FORMS))
+def test_softplus_forms_that_overflow_are_left_alone(name: str, dtype: str) -> None:
+    act = OVERFLOWING_SOFTPLUS_FORMS[name]
+    layer = Layer("NHWC", dtype, seed=4)
+    big = layer.b.at[0].set(100.0)  # channel 0: exp(y) is +inf in every dtype
+    fn = lambda x, w, b: act(layer.conv(x, w) + b)  # noqa: E731
+    report = jf.fusion_report(fn, layer.x, layer.w, big)
+    assert report.fused[0].ops == ("conv", "bias add"), report
+    assert "overflows" in report.fused[0].stopped, report
+    want = np.asarray(jnp.asarray(fn(layer.x, layer.w, big), jnp.float32))
+    got = np.asarray(jnp.asarray(jax.jit(jf.fuse(fn))(layer.x, layer.w, big), jnp.float32))
+    assert np.isinf(want[..., 0]).all()
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
 
 
 def _nan_inf_operands(layer: Layer) -> tuple[jax.Array, ...]:
@@ -415,6 +439,47 @@ def test_pytrees_kwargs_and_static_arguments() -> None:
     assert relative_error(out["y"], np.asarray(ref["y"], np.float64)) <= tolerance("float32")
     report = jf.fusion_report(fused, params, layer.x, "elu", scale=0.5)
     assert [g.plan for g in report] == ["CNA"]
+
+
+def test_static_names_cover_positions_and_positions_names() -> None:
+    layer = Layer(seed=15)
+
+    def f(x: jax.Array, w: jax.Array, use_act: bool, scale: float = 1.0) -> jax.Array:
+        y = layer.conv(x, w)
+        return jax.nn.relu(y) * scale if use_act else y
+
+    ref = f(layer.x, layer.w, True, 0.5)
+    by_name = jf.fuse(f, static_argnames=("use_act", "scale"))
+    by_position = jf.fuse(f, static_argnums=(2, 3))
+    for out in (by_name(layer.x, layer.w, True, 0.5),  # names given, passed by position
+                by_position(layer.x, layer.w, use_act=True, scale=0.5),  # and the reverse
+                jax.jit(by_name, static_argnames=("use_act", "scale"))(layer.x, layer.w,
+                                                                       True, 0.5)):
+        assert relative_error(out, np.asarray(ref, np.float64)) <= tolerance("float32")
+
+
+def test_jit_s_static_arguments_need_no_declaring_to_fuse() -> None:
+    """jax.jit(fuse(f), static_argnums=...) works where jax.jit(f, static_argnums=...) does:
+    values that are not arrays reach f as they are."""
+    layer = Layer(seed=16)
+
+    def f(x: jax.Array, w: jax.Array, act: str, repeats: int) -> jax.Array:
+        y = layer.conv(x, w)
+        for _ in range(repeats):
+            y = getattr(jax.nn, act)(y)
+        return y
+
+    out = jax.jit(jf.fuse(f), static_argnums=(2, 3))(layer.x, layer.w, "relu", 2)
+    ref = jax.jit(f, static_argnums=(2, 3))(layer.x, layer.w, "relu", 2)
+    assert relative_error(out, np.asarray(ref, np.float64)) <= tolerance("float32")
+    assert [g.plan for g in jf.fusion_report(f, layer.x, layer.w, "relu", 2)] == ["CA"]
+
+
+def test_a_report_of_fuse_of_fuse_reports_the_inner_fusion() -> None:
+    layer = Layer(seed=17)
+    block = lambda x, w, b: jax.nn.relu(layer.conv(x, w) + b)  # noqa: E731
+    for fn in (jf.fuse(block), jf.fuse(jf.fuse(block)), jax.jit(jf.fuse(block))):
+        assert [g.plan for g in jf.fusion_report(fn, layer.x, layer.w, layer.b)] == ["CBA"]
 
 
 def test_dynamic_activation_parameter() -> None:

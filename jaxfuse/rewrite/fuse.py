@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -95,8 +96,10 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     converted at trace time), and JAX passes it one argument instead of every variable.
 
     The fused function has `fn`'s signature; it traces `fn` on every call (wrap it in
-    ``jax.jit`` to trace once). Non-array arguments are named with `static_argnums` /
-    `static_argnames`, as for ``jax.jit``. Works as a decorator.
+    ``jax.jit`` to trace once). Arguments named with `static_argnums` / `static_argnames` (as
+    for ``jax.jit``: a name also covers its position, and a position its name) reach `fn` as
+    they are; so does every value that is not an array, which is how ``jax.jit(fuse(fn),
+    static_argnums=...)`` hands over its static arguments. Works as a decorator.
 
     >>> import jax, jax.numpy as jnp, jaxfuse
     >>> @jaxfuse.fuse
@@ -108,7 +111,7 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     if fn is None:
         return functools.partial(fuse, static_argnums=static_argnums,
                                  static_argnames=static_argnames, solver=solver)
-    statics = StaticArgs(static_argnums, static_argnames)
+    statics = StaticArgs(static_argnums, static_argnames, fn)
     if solver is not None:
         solver_mode(solver)  # a bad name fails here, not at the first call
 
@@ -123,23 +126,52 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
 
 
 class StaticArgs:
-    """Which arguments of the fused function are static (hashable Python values)."""
+    """Which arguments of the fused function are static (Python values `fn` sees as they are).
 
-    def __init__(self, argnums: int | Sequence[int], argnames: str | Sequence[str]):
-        self.argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-        self.argnames = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    As ``jax.jit`` does, a static name that `fn`'s signature also takes by position makes that
+    position static, and a static position a parameter's name."""
+
+    def __init__(self, argnums: int | Sequence[int], argnames: str | Sequence[str],
+                 fn: Callable[..., Any] | None = None):
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+        try:
+            params = list(inspect.signature(fn).parameters.values()) if fn else []
+        except (TypeError, ValueError):  # (a callable without a signature: as given)
+            params = []
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        by_name = {p.name: i for i, p in enumerate(positional)
+                   if p.kind is p.POSITIONAL_OR_KEYWORD}
+        self.argnums = nums + tuple(by_name[n] for n in names if n in by_name and
+                                    by_name[n] not in nums)
+        self.argnames = names + tuple(positional[i].name for i in nums
+                                      if -len(positional) <= i < len(positional)
+                                      and positional[i].name in by_name
+                                      and positional[i].name not in names)
+
+
+def _is_array(leaf: Any) -> bool:
+    """Whether `fn` gets `leaf` abstract (an array, or a tracer of an outer transformation)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
 def trace(fn: Callable[..., Any], statics: StaticArgs, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> tuple[ClosedJaxpr, Any, list[Any]]:
-    """Traces `fn` with its non-static arguments abstract: (jaxpr, output tree, flat args)."""
+    """Traces `fn` with its non-static arguments abstract: (jaxpr, output tree, flat args).
+
+    Leaves that are not arrays (Python numbers, strings, objects: under ``jax.jit`` these are
+    the arguments it was told are static) reach `fn` as they are."""
     nums = {i % len(args) for i in statics.argnums if -len(args) <= i < len(args)}
     dynamic = [a for i, a in enumerate(args) if i not in nums]
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in statics.argnames}
-    flat, in_tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+    leaves, in_tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+    abstract = [_is_array(leaf) for leaf in leaves]
+    flat = [leaf for leaf, a in zip(leaves, abstract) if a]
 
-    def flat_fn(*leaves: Any) -> Any:
-        dyn_args, dyn_kw = jax.tree_util.tree_unflatten(in_tree, leaves)
+    def flat_fn(*arrays: Any) -> Any:
+        it = iter(arrays)
+        dyn_args, dyn_kw = jax.tree_util.tree_unflatten(
+            in_tree, [next(it) if a else leaf for leaf, a in zip(leaves, abstract)])
         it = iter(dyn_args)
         full = [args[i] if i in nums else next(it) for i in range(len(args))]
         return fn(*full, **{**kwargs, **dyn_kw})

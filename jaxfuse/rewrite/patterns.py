@@ -283,10 +283,13 @@ def _elu(negative: Callable[[Pattern], Pattern]) -> Pattern:
 
 _DIFF = one_of(op("sub", X, ZERO), X)
 _LOGADDEXP0 = comm("add", comm("max", X, ZERO), op("log1p", op("exp", op("neg", op("abs", _DIFF)))))
-# softplus as jax.nn writes it (logaddexp(x, 0): NaN-guarded or not) and as people do.
+# softplus as jax.nn writes it (logaddexp(x, 0): NaN-guarded or not), and as people do, whose
+# exp overflows: +inf from x > 88.7 in fp32 and bf16, x > 11.1 in fp16, where softrelu gives x.
 _SOFTPLUS_FORMS = (
     _LOGADDEXP0,
     op("select_n", op("ne", _DIFF, _DIFF), _LOGADDEXP0, comm("add", X, ZERO)),
+)
+_OVERFLOWING_SOFTPLUS_FORMS = (
     op("log1p", op("exp", X)),
     op("log", comm("add", op("exp", X), ONE)),
 )
@@ -359,6 +362,10 @@ _TEMPLATES: tuple[_Template, ...] = (
     _Template("abs", op("abs", X), _activation(ActivationMode.ABS)),
     *(_Template("softplus", form, _activation(ActivationMode.SOFTRELU))
       for form in _SOFTPLUS_FORMS),
+    *(_Template("softplus", form,
+                lambda g, b: "log(1 + exp(x)) overflows to inf for large x, where softplus "
+                             "does not (jax.nn.softplus fuses)")
+      for form in _OVERFLOWING_SOFTPLUS_FORMS),
     # jax.nn's activations beyond MIOpen's. Each form gives NaN for NaN and for -inf (x * 0),
     # +inf for +inf, as the epilogue does.
     _Template("silu", one_of(*(comm("mul", X, f) for f in _SIGMOID_FORMS),
@@ -368,7 +375,9 @@ _TEMPLATES: tuple[_Template, ...] = (
     _Template("gelu_tanh", _GELU_TANH, _activation(ActivationMode.GELU_TANH)),
     _Template("hardswish", _HARD_SWISH, _activation(ActivationMode.HARDSWISH)),
     _Template("hardsigmoid", _HARD_SIGMOID, _activation(ActivationMode.HARDSIGMOID)),
-    _Template("mish", comm("mul", X, op("tanh", one_of(*_SOFTPLUS_FORMS))),
+    # (tanh takes an overflowed softplus to 1, as mish's epilogue takes large x to x)
+    _Template("mish", comm("mul", X, op("tanh", one_of(*_SOFTPLUS_FORMS,
+                                                       *_OVERFLOWING_SOFTPLUS_FORMS))),
               _activation(ActivationMode.MISH)),
 )
 

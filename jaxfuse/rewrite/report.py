@@ -169,7 +169,10 @@ def fusion_report(fn: Callable[..., Any], *example_args: Any,
     `fn` may be a plain function or the result of :func:`jaxfuse.fuse` (whose static arguments
     are then honored). Nothing is executed; plans are compiled.
     """
-    target, statics, solver = getattr(fn, "__jaxfuse_fuse__", (fn, StaticArgs((), ()), None))
+    target, statics, solver = fn, StaticArgs((), ()), None
+    while hasattr(target, "__jaxfuse_fuse__"):  # (fuse(fuse(f)) reports what fuse(f) does)
+        target, statics, inner_solver = target.__jaxfuse_fuse__
+        solver = solver or inner_solver
     closed, _, flat = trace(target, statics, example_args, example_kwargs)
     with recording() as recorder:
         rewriter = Rewriter(recorder, solver)
