@@ -407,10 +407,13 @@ def test_nested_jaxprs(name: str) -> None:
 def test_bodies_that_are_not_searched_are_reported() -> None:
     mesh = jax.make_mesh((1,), ("d",))
     spec = jax.sharding.PartitionSpec()
-    fn = jax.jit(jax.shard_map(_block(_NESTED), mesh=mesh, in_specs=spec, out_specs=spec))
-    report = check(fn, _NESTED.x, plans=[], dtype="float32")
-    (left,) = report.left_alone
-    assert left.op == "shard_map" and "not searched" in left.reason
+    sharded = jax.shard_map(_block(_NESTED), mesh=mesh, in_specs=spec, out_specs=spec)
+    for fn in (jax.jit(sharded), sharded):
+        report = check(fn, _NESTED.x, plans=[], dtype="float32")
+        (left,) = report.left_alone
+        assert left.op == "shard_map" and "not searched" in left.reason
+        # Wrapped whole, the shard_map has no line of the user's: none of jaxfuse's is named.
+        assert "fuse.py" not in left.where, left.where
 
 
 def test_around_jit_eager_and_decorator() -> None:

@@ -264,9 +264,11 @@ def _where(eqn: JaxprEqn) -> str:
     libraries = [os.path.dirname(__file__)]
     if "flax" in sys.modules:
         libraries.append(os.path.dirname(sys.modules["flax"].__file__))
-    user = [f for f in frames if not any(f.startswith(d) for d in libraries)] or frames[-1:]
+    user = [f for f in frames if not any(f.startswith(d) for d in libraries)]
     shown = [_short(f) for f in user[-1 if stack else -2:] if f]
-    where = " > ".join(shown) if shown else "unknown source line"
+    # (no line of the user's: the traced function is itself the equation, as a function
+    # wrapped whole in shard_map or jit is)
+    where = " > ".join(shown) if shown else "the traced function as a whole"
     return f"{stack} ({where})" if stack else where
 
 
