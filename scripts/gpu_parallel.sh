@@ -5,8 +5,9 @@
 #
 #   QUEUE="layers:resnet50_net:float32:NHWC:1,64 models:resnet50-independent:float16:1,8 ..." \
 #     QUEUE_CAP=520 bash scripts/gpu_parallel.sh [cache]
-#       Each GPU takes the next item of the queue when it is free (layer_run and model_run
-#       of scripts/gpu_runs.sh), until the queue is empty or QUEUE_CAP seconds are spent. The
+#       Each GPU takes the next item of the queue when it is free (layer_run, model_run and
+#       tests_run of scripts/gpu_runs.sh: "tests:test_rewrite,test_solvers" runs the GPU tests
+#       `-k "test_rewrite or test_solvers"` selects), until the queue is empty or QUEUE_CAP seconds are spent. The
 #       items not started, and those cut at the cap, are listed last ("left:", "cut:"): the
 #       next call's queue. A GPU's logs and JSON come back as $OUT/gpu<i>.tgz.
 #
@@ -51,6 +52,7 @@ queue_worker() {
     case ${item%%:*} in
       layers) layer_run "${item#*:}" "$left" ;;
       models) model_run "${item#*:}" "$left" ;;
+      tests) tests_run "${item#*:}" "$left" ;;
       *) echo "unknown queue item: $item"; continue ;;
     esac
     (( $? == 124 )) && echo "cut: $item" >> "$leftovers"

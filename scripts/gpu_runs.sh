@@ -1,8 +1,10 @@
-# Sourced by scripts/gpu_session.sh and scripts/gpu_parallel.sh: one benchmark run each, its
-# logs and JSON under $OUT, its table printed, within the seconds it is given.
+# Sourced by scripts/gpu_session.sh and scripts/gpu_parallel.sh: one run each, its logs and
+# JSON under $OUT, its table printed, within the seconds it is given.
 #   layer_run SUITE:DTYPE:LAYOUT:BATCHES SECONDS   (python -m jaxfuse.bench; LAYER_MATCH)
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
+#   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
+#                                                   4 workers)
 # Batches are comma-separated. Both use $py and $OUT, and return the benchmark's exit status
 # (124: cut at its time; SIGABRT then has Python print every thread's stack into the log, to
 # tell a slow step from a stuck one).
@@ -36,5 +38,30 @@ model_run() {
     >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
   rc=$?
   echo "$1 exit $rc in $(( $(date +%s) - start )) s"
+  return $rc
+}
+
+# Runs "$@" under a time cap in a process group of its own and ends the whole group after it:
+# pytest-xdist's workers outlive a pytest that `timeout` ended and kept running GPU tests
+# beside the next section's measurements (session 8, call 4).
+capped() {
+  local cap=$1; shift
+  setsid timeout "$cap" "$@" &
+  local pid=$!
+  wait "$pid"; local rc=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  return $rc
+}
+
+tests_run() {
+  local start rc log
+  start=$(date +%s)
+  log="$OUT/tests_$(tr -c 'A-Za-z0-9_' _ <<< "$1" | cut -c1-40).log"
+  # (autotuning has tests of its own, and every variant a forced-variant test)
+  JAXFUSE_AUTOTUNE=0 capped "$2" $py -m pytest tests -m gpu -q -p no:cacheprovider -n 4 \
+    -k "${1//,/ or }" > "$log" 2>&1
+  rc=$?
+  echo "tests '$1' exit $rc in $(( $(date +%s) - start )) s"
+  grep -E "passed|failed|FAILED|Error" "$log" | tail -15
   return $rc
 }

@@ -52,17 +52,6 @@ py=python3
 source "$(dirname "$0")/gpu_runs.sh"
 sections=" $* "
 has() { [[ $sections == *" $1 "* ]]; }
-# Runs "$@" under a time cap in a process group of its own and ends the whole group after it:
-# pytest-xdist's workers outlive a pytest that `timeout` ended and kept running GPU tests
-# beside the next section's measurements (session 8, call 4).
-capped() {
-  local cap=$1; shift
-  setsid timeout "$cap" "$@" &
-  local pid=$!
-  wait "$pid"; local rc=$?
-  kill -KILL -- "-$pid" 2>/dev/null
-  return $rc
-}
 
 echo "== build"
 start=$(date +%s)
