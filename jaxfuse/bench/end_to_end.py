@@ -55,16 +55,7 @@ def forward_seconds(fn: Any, args: tuple[Any, ...], calls: int = 10, repeats: in
     is dropped once the next call is queued (a server handing each result on) instead of all
     being kept: XLA's buffers then stay where they were, and its command buffers need no
     update."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    calls = int(min(calls, max(1, 0.05 // max(time.perf_counter() - start, 1e-6))))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(back_to_back(fn, args, calls, keep_outputs))
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    return forward_seconds_interleaved({"": fn}, args, calls, repeats, keep_outputs)[""]
 
 
 def forward_seconds_interleaved(programs: dict[str, Any], args: tuple[Any, ...],
