@@ -33,6 +33,7 @@ knobs="SECTIONS LAYER_RUNS LAYER_MATCH LAYERS_CAP MODEL_RUNS MODEL_SOLVERS MODEL
   LATENCY_RUNS LATENCY_ARGS LATENCY_FLAGS LATENCY_CAP TESTS_K TESTS_CAP TESTS_WORKERS FIND_RUNS
   FIND_ARGS FIND_CAP NCU_RUNS NCU_CAP FINAL_CAP FINAL_WORKERS"
 
+started=$(mktemp)  # (the cache entries newer than this are the call's own)
 # The build (or the carried one), once: its own section list is empty.
 OUT="$OUT/build" bash scripts/gpu_session.sh || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
@@ -93,9 +94,13 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 
 if [[ " $* " == *" cache "* ]]; then
+  # Only the entries this call wrote (a file comes back if it holds at most 16 MiB, and the
+  # carried cache outgrew that): scripts/merge_cache.sh adds them to .prebuilt's.
   merged=/tmp/jaxfuse-cache
-  rm -rf "$merged" && mkdir -p "$merged"
-  for dir in /tmp/jaxfuse-cache-gpu*; do cp -rn "$dir/." "$merged/"; done
+  rm -rf "$merged" && mkdir -p "$merged/kernels"
+  for dir in /tmp/jaxfuse-cache-gpu*; do
+    find "$dir/kernels" -type f -newer "$started" -exec cp -n {} "$merged/kernels/" \;
+  done
   tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
 fi
 for (( i = 0; i < gpus; i++ )); do

@@ -4,7 +4,8 @@
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
-#                                                   4 workers; "all": every GPU test)
+#                                                   TESTS_WORKERS (4) workers; "all": every
+#                                                   GPU test)
 # Batches are comma-separated. Both use $py and $OUT, and return the benchmark's exit status
 # (124: cut at its time; SIGABRT then has Python print every thread's stack into the log, to
 # tell a slow step from a stuck one).
@@ -60,7 +61,8 @@ tests_run() {
   # (autotuning has tests of its own, and every variant a forced-variant test)
   local select=(-k "${1//,/ or }")
   [[ $1 == all ]] && select=()
-  JAXFUSE_AUTOTUNE=0 capped "$2" $py -m pytest tests -m gpu -q -p no:cacheprovider -n 4 \
+  JAXFUSE_AUTOTUNE=0 capped "$2" $py -m pytest tests -m gpu -q -p no:cacheprovider \
+    -n "${TESTS_WORKERS:-4}" \
     "${select[@]}" > "$log" 2>&1
   rc=$?
   echo "tests '$1' exit $rc in $(( $(date +%s) - start )) s"

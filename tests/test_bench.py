@@ -126,6 +126,31 @@ def test_a_case_whose_auto_plan_is_xla_s_program(monkeypatch) -> None:
     assert row["auto_wall_us"] == row["xla_wall_us"] and row["ratio_auto_wall"] == 1.0
 
 
+def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
+    """Device times too: a program timed again would read as a different speed (each timing
+    here is slower than the one before)."""
+    import jaxfuse.bench.__main__ as bench
+
+    plan = BenchCase.plan
+    monkeypatch.setattr(BenchCase, "plan", lambda self, device, solver: plan(
+        self, device, solver="xla" if solver == "auto" else solver))
+    timings = iter(range(1, 100))
+
+    def slower_each_time(fn, args, stats=None):
+        if stats is not None:
+            stats["kernels_per_op"] = 1.0
+        return next(timings) * 1e-6
+
+    monkeypatch.setattr(bench, "device_time_per_op", slower_each_time)
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
+    ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=True)
+    assert row["auto_same_program_as"] == "xla"
+    assert row["auto_device_us"] == row["xla_device_us"] == 1.0
+    assert row["ratio_auto_device"] == 1.0 and row["fused_device_us"] == 2.0
+
+
 def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:
     device = jax.devices("cpu")[0]
     case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")

@@ -719,3 +719,46 @@ def test_xla_candidate_is_the_users_chain(layer: str, chain: str, layout: str) -
     ours = jax.jit(lambda s: candidate(*s, measure.TIMING_SCALARS)).lower(operands).compile()
     users = jax.jit(lambda s: case.unfused()(*s)).lower(case.arg_sets(1, cpu)[0]).compile()
     assert _hlo_operations(ours.as_text()) == _hlo_operations(users.as_text())
+
+
+class _Windows:
+    """A stand-in harness whose windows time as listed, logging the order they run in."""
+
+    def __init__(self, name: str, timings: list, log: list) -> None:
+        self.name, self.timings, self.log = name, list(timings), log
+
+    def run(self):
+        self.log.append(self.name)
+        return None, self.timings.pop(0)
+
+
+@pytest.mark.parametrize("xla_first, xla_second, expected", [
+    # XLA timed first, before the clocks rose: its second window (after the fused kernel's)
+    # is the faster, and the choice follows it.
+    (30.0, 24.0, "xla"),
+    (30.0, 29.0, "fused"),
+])
+def test_close_gpu_candidates_get_a_second_window_in_the_other_order(xla_first, xla_second,
+                                                                     expected) -> None:
+    from jaxfuse.measure import Timing
+
+    log: list = []
+    harnesses = {"xla": _Windows("xla", [Timing(xla_second * 1e-6, 20e-6)], log),
+                 "fused": _Windows("fused", [Timing(25e-6, 11e-6)], log)}
+    device_us = {"xla": xla_first, "fused": 26.0}
+    host_us = {"xla": 20.0, "fused": 12.0}
+    times = {k: max(device_us[k], host_us[k]) for k in device_us}
+    find._more_windows(harnesses, times, device_us, host_us, None, gpu=True)
+    assert log == ["fused", "xla"]
+    assert device_us == {"xla": min(xla_first, xla_second), "fused": 25.0}
+    assert host_us == {"xla": 20.0, "fused": 11.0}
+    assert find._faster(times, {}, "gpu", device_us, host_us) == expected
+
+
+def test_far_apart_gpu_candidates_get_no_second_window() -> None:
+    log: list = []
+    harnesses = {name: _Windows(name, [], log) for name in ("xla", "fused")}
+    times = {"xla": 100.0, "fused": 60.0}
+    find._more_windows(harnesses, times, {"xla": 100.0, "fused": 60.0},
+                       {"xla": 10.0, "fused": 10.0}, None, gpu=True)
+    assert log == []
