@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -9,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxfuse.bench.__main__ import run_case, same_program
+from jaxfuse.bench.__main__ import print_table, run_case, same_program
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
-from jaxfuse.bench.timing import batched, busy_ns, exposed_ns, wall_times_interleaved
+from jaxfuse.bench.timing import batched, busy_ns, exposed_ns, span_ns, wall_times_interleaved
 
 
 def test_programs_are_timed_in_turns() -> None:
@@ -137,9 +138,10 @@ def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
     timings = iter(range(1, 100))
 
     def slower_each_time(fn, args, stats=None):
+        seconds = next(timings) * 1e-6
         if stats is not None:
-            stats["kernels_per_op"] = 1.0
-        return next(timings) * 1e-6
+            stats.update(kernels_per_op=1.0, span_per_op=2 * seconds)
+        return seconds
 
     monkeypatch.setattr(bench, "device_time_per_op", slower_each_time)
     device = jax.devices("cpu")[0]
@@ -149,6 +151,11 @@ def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
     assert row["auto_same_program_as"] == "xla"
     assert row["auto_device_us"] == row["xla_device_us"] == 1.0
     assert row["ratio_auto_device"] == 1.0 and row["fused_device_us"] == 2.0
+    assert row["auto_span_us"] == row["xla_span_us"] == 2.0 and row["fused_span_us"] == 4.0
+    assert row["ratio_auto_span"] == 1.0 and row["ratio_fused_span"] == 0.5
+    table = io.StringIO()
+    print_table([row], out=table)
+    assert "geomean xla/jaxfuse (span) N=1 float32 NHWC NA: forced 0.50" in table.getvalue()
 
 
 def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:
@@ -167,6 +174,10 @@ def test_device_time_counts_overlapping_kernels_once() -> None:
     assert busy_ns([(0, 10), (20, 5)]) == 15
     assert busy_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == 15
     assert busy_ns([]) == 0
+    # The span: first start to last end, the gaps between kernels included.
+    assert span_ns([(0, 10), (20, 5)]) == 25
+    assert span_ns([(0, 10), (4, 10), (6, 2)]) == 14
+    assert span_ns([]) == 0
     # Each kernel's part past every earlier one's end: what it adds to the union.
     assert exposed_ns([(0, 10), (4, 10), (6, 2), (30, 1)]) == [10, 4, 0, 1]
 

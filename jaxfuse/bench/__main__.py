@@ -116,18 +116,26 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         xd = device_time_per_op(unfused, args, stats=stats)
         row["xla_device_us"] = xd * 1e6 if xd else None
         row["xla_kernels_per_op"] = stats.get("kernels_per_op")
+        row["xla_span_us"] = stats.get("span_per_op", 0) * 1e6
         for mode, run in timed.items():
             if mode == "auto" and twin:  # (its twin's time, as for the wall clock)
                 continue
+            stats.clear()
             d = device_time_per_op(run, args, stats=stats) if run is not None else None
             if d and xd:
                 row[f"{mode}_device_us"] = d * 1e6
                 row[f"ratio_{mode}_device"] = xd / d
                 row[f"{mode}_kernels_per_op"] = stats.get("kernels_per_op")
+                if stats.get("span_per_op") and row["xla_span_us"]:
+                    row[f"{mode}_span_us"] = stats["span_per_op"] * 1e6
+                    row[f"ratio_{mode}_span"] = row["xla_span_us"] / row[f"{mode}_span_us"]
         if twin and row.get(f"{twin}_device_us") and xd:
-            for part in ("device_us", "kernels_per_op"):
-                row[f"auto_{part}"] = row[f"{twin}_{part}"]
+            for part in ("device_us", "kernels_per_op", "span_us"):
+                if f"{twin}_{part}" in row:
+                    row[f"auto_{part}"] = row[f"{twin}_{part}"]
             row["ratio_auto_device"] = row["xla_device_us"] / row["auto_device_us"]
+            if row.get("auto_span_us"):
+                row["ratio_auto_span"] = row["xla_span_us"] / row["auto_span_us"]
     flops = case.layer.flops(case.n) if "C" in case.ops else 0
     nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
     floor = ceilings.floor(flops, nbytes, case.dtype)
@@ -200,19 +208,24 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
               f"{auto:<6} {r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
               f"{r.get('fused_rel_error_vs_xla', nan):8.1e} "
               f"{r.get('fused_pct_of_copy', nan):6.0f}", file=out)
-    groups: dict[tuple[Any, ...], dict[str, list[float]]] = {}
-    for r in rows:
-        group = groups.setdefault((r["n"], r["dtype"], r["layout"], r["ops"]),
-                                  {"fused": [], "auto": []})
-        for mode in group:
-            if f"ratio_{mode}_{kind}" in r:
-                group[mode].append(r[f"ratio_{mode}_{kind}"])
-    for (n, dtype, layout, ops), ratios in sorted(groups.items()):
-        forced, auto = ratios["fused"], ratios["auto"]
-        print(f"geomean xla/jaxfuse ({kind}) N={n} {dtype} {layout} {ops}: forced "
-              f"{_geomean(forced):.2f} (min {min(forced, default=nan):.2f}), auto "
-              f"{_geomean(auto):.2f} (min {min(auto, default=nan):.2f}), {len(auto)} cases",
-              file=out)
+    # (device time: the span too, gaps between kernels included, where the trace gave it)
+    measures = [kind, "span"] if kind == "device" else [kind]
+    for measure in measures:
+        groups: dict[tuple[Any, ...], dict[str, list[float]]] = {}
+        for r in rows:
+            group = groups.setdefault((r["n"], r["dtype"], r["layout"], r["ops"]),
+                                      {"fused": [], "auto": []})
+            for mode in group:
+                if f"ratio_{mode}_{measure}" in r:
+                    group[mode].append(r[f"ratio_{mode}_{measure}"])
+        for (n, dtype, layout, ops), ratios in sorted(groups.items()):
+            forced, auto = ratios["fused"], ratios["auto"]
+            if not auto:
+                continue
+            print(f"geomean xla/jaxfuse ({measure}) N={n} {dtype} {layout} {ops}: forced "
+                  f"{_geomean(forced):.2f} (min {min(forced, default=nan):.2f}), auto "
+                  f"{_geomean(auto):.2f} (min {min(auto, default=nan):.2f}), {len(auto)} cases",
+                  file=out)
     # A network suite (layers with counts): the summed time of all its convolutions.
     for (n, dtype, layout), members in _network_groups(rows).items():
         sums = {mode: sum(r["count"] * r.get(f"{mode}_{kind}_us", nan) for r in members)

@@ -11,6 +11,10 @@ so the K ops are straight-line code and no input stays cached between them):
   fastest run counts rather than the median (see :func:`wall_times_interleaved`);
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
   divided by K, median over calls; launch gaps and host work excluded. GPU only.
+- span (from the same trace): each call's first kernel start to its last kernel end, divided by
+  K: the device's timeline with the gaps between kernels, as the find step's stopwatch marks
+  measure it (:class:`jaxfuse.measure.Harness`). A composition of several kernels pays a gap
+  before each; the device measure leaves them out.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
     inside its own duration: summed durations would count that wait as the kernel's time.)
     `by_kernel`, if given, receives each kernel name's mean seconds per op (its durations);
     `stats` receives "kernels_per_op" (below 1 where the program merged ops into shared
-    kernels)."""
+    kernels) and "span_per_op" (seconds, the median call's first kernel start to last kernel
+    end over K; see the module docstring)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(many(arg_sets))
@@ -144,10 +149,21 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
         gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] -
                       (kernels[i - 1][0] + kernels[i - 1][1]), reverse=True)[:calls - 1]
         bounds = [0, *sorted(gaps), len(kernels)]
-        per_call = [busy_ns(kernels[a:b]) for a, b in itertools.pairwise(bounds)]
+        calls_kernels = [kernels[a:b] for a, b in itertools.pairwise(bounds)]
+        per_call = [busy_ns(k) for k in calls_kernels]
+        spans = [span_ns(k) for k in calls_kernels]
     else:
-        per_call = [busy_ns(kernels) / calls]
+        per_call, spans = [busy_ns(kernels) / calls], [span_ns(kernels) / calls]
+    if stats is not None:
+        stats["span_per_op"] = statistics.median(spans) * 1e-9 / len(arg_sets)
     return statistics.median(per_call) * 1e-9 / len(arg_sets)
+
+
+def span_ns(kernels: Sequence[tuple[int, int]]) -> int:
+    """From the first start to the last end of (start, duration) intervals sorted by start."""
+    if not kernels:
+        return 0
+    return max(start + duration for start, duration in kernels) - kernels[0][0]
 
 
 def busy_ns(kernels: Sequence[tuple[int, int]]) -> int:
