@@ -106,7 +106,9 @@ fi
 for (( i = 0; i < gpus; i++ )); do
   [[ -f $OUT/gpu$i.log ]] && { echo "======== gpu $i"; cat "$OUT/gpu$i.log"; }
   # (at most 8 files come back from a call: a queue's GPU folder goes back as one archive)
+  # (and its log goes in it: with the cache's archive, nine files would be one too many)
   if [[ -n ${QUEUE:-} && -d $OUT/gpu$i ]]; then
+    mv "$OUT/gpu$i.log" "$OUT/gpu$i/" 2>/dev/null
     tar czf "$OUT/gpu$i.tgz" -C "$OUT" "gpu$i" && rm -rf "${OUT:?}/gpu$i"
   fi
 done
