@@ -11,10 +11,10 @@ where XLA's kernels are a little faster.
 
 So, per scope of :func:`jaxfuse.fuse`: start from the device-time choice (the fused kernel
 where it is :data:`PROGRAM_MARGIN` faster; where the launches are at least
-:data:`PROGRAM_LAUNCH_SHARE` of the device work, also where it is no slower and cheaper to
-launch), and while the launches outweigh the device work, move to the fused kernel the chain
-that shortens the longer sum most. Work outside the chains is the same either way and is left
-out of the sums.
+:data:`PROGRAM_LAUNCH_SHARE` of the device work, also where it saves more launch work than it
+adds device time), and while the launches outweigh the device work, move to the fused kernel
+the chain that shortens the longer sum most. Work outside the chains is the same either way
+and is left out of the sums.
 
 Finally the choice must shorten the program's estimated time (the longer sum) by
 :data:`PROGRAM_MIN_GAIN` against leaving every chain to XLA, or every chain is left to XLA: a
@@ -46,12 +46,21 @@ PROGRAM_MARGIN = 0.10
 # ... and the program's choice must be this much faster than all-XLA, or all-XLA it is.
 PROGRAM_MIN_GAIN = 0.03
 # A program whose chains' launch work is this share of their device work or more may be
-# launch-bound (see choose_for_program). On an H100 (2026-11-27) ResNet-50 bf16 at batch 8
-# (launch sum near the device sum) kept five 3x3 chains on XLA by the margin (14.0 against
-# 13.6 us on the device, 32.2 against 7.8 us of launch work) and ran 1.22 ms a call against
-# 0.90 ms with every chain fused; at batch 64 and 256, where the sums are far apart, the two
-# programs ran within 3% of each other.
-PROGRAM_LAUNCH_SHARE = 0.5
+# launch-bound (see choose_for_program). The sums leave out the program's other host work,
+# about as large again: ResNet-50 fp32 at batch 8 on an H200 (2026-11-28) took 2.60 ms a call
+# under plain jax.jit for 1.00 ms of device work, its chains' XLA launches measured at 20-34 us
+# each (about 1.2 ms for 53 chains), and 1.28 ms with every chain fused (0.97 ms of device,
+# fused launches of 3.5-8 us each).
+# - On an H100 (2026-11-27) ResNet-50 bf16 at batch 8 (launch sum near the device sum) kept
+#   five 3x3 chains on XLA by the margin (14.0 against 13.6 us on the device, 32.2 against
+#   7.8 us of launch work) and ran 1.22 ms a call against 0.90 ms with every chain fused.
+# - On the H200, ResNet-50 fp32 at batch 8 (launch sum about half the device sum) kept 15
+#   chains on XLA that were 1-11 us slower fused on the device and 16-26 us cheaper to launch
+#   (while only chains no slower on the device moved), and ran 1.57 ms a call against 1.28 ms
+#   with every chain fused.
+# - At batch 64 and 256 (launch sums an eighth of the device sums or less) the programs of
+#   either choice ran within 3% of each other.
+PROGRAM_LAUNCH_SHARE = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +80,9 @@ class ChainCosts:
         return all(k in self.device_us and k in self.host_us for k in (FUSED, XLA))
 
 
-def _dominates(c: ChainCosts) -> bool:
-    """The fused kernel no slower on the device and cheaper to launch."""
-    return c.device_us[FUSED] <= c.device_us[XLA] and c.host_us[FUSED] < c.host_us[XLA]
+def _saves_more_launch_than_device(c: ChainCosts) -> bool:
+    """The fused kernel saves more launch work than it adds device time (if any)."""
+    return (c.device_us[FUSED] - c.device_us[XLA]) < (c.host_us[XLA] - c.host_us[FUSED])
 
 
 def choose_for_program(chains: Sequence[ChainCosts]) -> dict[Hashable, str]:
@@ -95,11 +104,11 @@ def choose_for_program(chains: Sequence[ChainCosts]) -> dict[Hashable, str]:
     device, host = total("device_us", choice), total("host_us", choice)
     if host >= PROGRAM_LAUNCH_SHARE * device:
         # The sums leave out the program's host work outside its chains (JAX's dispatch of
-        # its arguments, XLA's other launches), so such a program may well be launch-bound:
-        # a chain whose fused kernel is no slower on the device and cheaper to launch runs
-        # fused, whichever it turns out to be.
+        # its arguments, XLA's other launches, about as much again), so such a program is
+        # launch-bound: a chain whose fused kernel saves more launch work than it adds device
+        # time runs fused.
         for c in measured:
-            if choice[c.key] == XLA and _dominates(c):
+            if choice[c.key] == XLA and _saves_more_launch_than_device(c):
                 choice[c.key] = FUSED
         device, host = total("device_us", choice), total("host_us", choice)
     while host > device:
