@@ -206,9 +206,6 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
                 failures[name] = _first_line(err)
                 logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,
                              err)
-        if len(harnesses) == 2:
-            _more_windows(harnesses, times, device_us, host_us, signature,
-                          gpu=device.platform.lower() != "cpu")
         if FUSED in outputs and XLA in outputs:
             error = relative_error(outputs[FUSED], outputs[XLA])
             if not error <= _TOLERANCE[signature.dtype.name]:
@@ -216,6 +213,9 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
                 logger.warning("jaxfuse: the fused kernel for %s disagrees with XLA (relative "
                                "error %.2e); XLA runs it", signature.describe(), error)
                 times.pop(FUSED, None)
+        if len(harnesses) == 2 and FUSED not in failures:
+            _more_windows(harnesses, times, device_us, host_us, signature,
+                          gpu=device.platform.lower() != "cpu")
     for name in failures:  # a failed candidate is no candidate, for a program either
         device_us.pop(name, None), host_us.pop(name, None)
     return Decision(_faster(times, failures, device.platform, device_us, host_us,
@@ -238,8 +238,10 @@ def _more_windows(harnesses: dict[str, Harness], times: dict[str, float],
     close, windows = (_GPU_CLOSE, 1) if gpu else (_CPU_CLOSE, _CPU_WINDOWS)
     deadline = time.perf_counter() + _CPU_WINDOWS_SECONDS
     for turn in range(windows):
-        # (the CPU's second window runs whatever the first gave)
-        if (turn or gpu) and max(times.values()) > close * min(times.values()):
+        # (the CPU's second window runs whatever the first gave; closeness is judged on the
+        # times _faster will compare)
+        basis = _compared(times, device_us, host_us)
+        if (turn or gpu) and max(basis.values()) > close * min(basis.values()):
             return
         if turn and time.perf_counter() > deadline:
             return
@@ -262,11 +264,12 @@ def fastest_form(signature: PlanSignature, device: Any,
                  kernels: list[FusedKernel]) -> FusedKernel:
     """The fastest of `kernels`, jaxfuse's kernels for `signature` in different forms
     (jaxfuse.solvers.prepare_forms), timed on `device` as :func:`choose` times candidates
-    (transposes included); from the disk cache when measured before. A form that fails to run
-    or disagrees with the first that ran is dropped; the first kernel (the plan's own form) is
-    kept if every one fails."""
+    (transposes included; one window each); from the disk cache when measured before. A form
+    that fails to run or disagrees with the first that ran is dropped; the first kernel (the
+    plan's own form) is kept if every one fails."""
     labels = [kernel.label for kernel in kernels]
-    key = (f"jaxfuse-form-v1|{_environment_key(device.device_kind, device.platform.lower())}|"
+    # v2: GPU forms timed after warm-up runs (measure._GPU_WARM_SECONDS)
+    key = (f"jaxfuse-form-v2|{_environment_key(device.device_kind, device.platform.lower())}|"
            f"{'|'.join(labels)}|{signature.encode()}")
     stored = extension().cache_load(key)
     if stored is not None:
@@ -339,11 +342,18 @@ def _faster(times: dict[str, float], failures: dict[str, str], platform: str,
         return FUSED
     if FUSED not in working:
         return XLA
-    device_us, host_us = device_us or {}, host_us or {}
+    working = _compared(working, device_us or {}, host_us or {})
+    return FUSED if working[FUSED] <= (1 - margin(platform, pointwise)) * working[XLA] else XLA
+
+
+def _compared(times: dict[str, float], device_us: dict[str, float],
+              host_us: dict[str, float]) -> dict[str, float]:
+    """What the choice compares (see _faster): the candidates' device times where both were
+    split into device and launch work and the fused kernel is device-bound, else `times`."""
     if (all(k in device_us and k in host_us for k in (FUSED, XLA))
             and device_us[FUSED] >= host_us[FUSED]):
-        working = device_us
-    return FUSED if working[FUSED] <= (1 - margin(platform, pointwise)) * working[XLA] else XLA
+        return device_us
+    return times
 
 
 def _first_line(err: BaseException) -> str:

@@ -263,16 +263,15 @@ class Harness:
         if self.stopwatch is not None:
             extension().stopwatch_gate(self.stopwatch, False)
         first = jax.block_until_ready(self.run_all(sets))[0][0]
-        if self.stopwatch is not None:
-            warm_until = time.perf_counter() + _GPU_WARM_SECONDS
-            while time.perf_counter() < warm_until:
-                jax.block_until_ready(self.run_all(sets))
         if limit is not None:
             seconds = self._screening_seconds(sets, limit)
             if limit < seconds < math.inf:
                 # Its launch work is unknown: charged the whole time, so no program picks it.
                 return first, Timing(seconds, seconds, cut_short=True)
-        if self.stopwatch is not None:
+        if self.stopwatch is not None:  # (after screening: a loser is not warmed up)
+            warm_until = time.perf_counter() + _GPU_WARM_SECONDS
+            while time.perf_counter() < warm_until:
+                jax.block_until_ready(self.run_all(sets))
             extension().stopwatch_gate(self.stopwatch, True)
         device: list[float] = []
         host: list[float] = []

@@ -99,7 +99,9 @@ if [[ " $* " == *" cache "* ]]; then
   merged=/tmp/jaxfuse-cache
   rm -rf "$merged" && mkdir -p "$merged/kernels"
   for dir in /tmp/jaxfuse-cache-gpu*; do
-    find "$dir/kernels" -type f -newer "$started" -exec cp -n {} "$merged/kernels/" \;
+    # (not a writer's temporary file, left by a process cut at its time)
+    find "$dir/kernels" -type f -newer "$started" ! -name '*.tmp*' \
+      -exec cp -n {} "$merged/kernels/" \; 2>/dev/null
   done
   tar czf "$OUT/jaxfuse-cache.tgz" -C /tmp jaxfuse-cache && ls -la "$OUT/jaxfuse-cache.tgz"
 fi

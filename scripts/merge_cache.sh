@@ -7,8 +7,11 @@ new=${1:?the jaxfuse-cache.tgz a call brought back}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/jaxfuse-cache/kernels" .prebuilt
-[[ -f .prebuilt/jaxfuse-cache.tgz ]] && tar xzf .prebuilt/jaxfuse-cache.tgz -C "$work"
-tar xzf "$new" -C "$work"  # (an entry is named by its key: a newer one replaces it)
+# (whatever each archive's top folder is called; an entry is named by its key, so a newer one
+# replaces it)
+for archive in .prebuilt/jaxfuse-cache.tgz "$new"; do
+  [[ -f $archive ]] && tar xzf "$archive" -C "$work/jaxfuse-cache" --strip-components=1
+done
 tar czf .prebuilt/jaxfuse-cache.tgz -C "$work" jaxfuse-cache
 echo "$(find "$work/jaxfuse-cache/kernels" -type f | wc -l) entries," \
   "$(du -h .prebuilt/jaxfuse-cache.tgz | cut -f1)"

@@ -421,7 +421,7 @@ def test_a_device_bound_program_chooses_by_device_time() -> None:
 def test_a_program_near_launch_bound_fuses_chains_that_save_more_launch_than_device() -> None:
     from jaxfuse.rewrite.choice import choose_for_program
 
-    # Batch 8: launches a third of the device work or more (the program's other host work,
+    # Batch 8: launches three tenths of the device work or more (the program's other host work,
     # about as much again, is not in the sums). A 3x3 chain 3% faster fused on the device, a
     # quarter of the launch work: fused, although within the margin. So is one a little
     # slower on the device that saves more launch work than that (ResNet-50 fp32 on an H200,
@@ -438,6 +438,10 @@ def test_a_program_near_launch_bound_fuses_chains_that_save_more_launch_than_dev
     # Batch 64: the device work far outweighs every launch; the margin alone decides.
     assert choose_for_program(program(300.0)) == {"3x3": "xla", "slower": "xla",
                                                   "much slower": "xla", "big": "fused"}
+    # The moves add device time the estimate cannot weigh against launch work it undercounts:
+    # the gain of the device-time choice before them is enough, and keeps `big` fused.
+    moved = [_costs("big", (90, 10), (100, 10)), _costs("slower", (12, 2), (10, 10), count=5)]
+    assert choose_for_program(moved) == {"big": "fused", "slower": "fused"}
 
 
 def test_a_launch_bound_program_moves_chains_to_cheap_launches() -> None:
@@ -758,6 +762,37 @@ def test_close_gpu_candidates_get_a_second_window_in_the_other_order(xla_first, 
     assert device_us == {"xla": min(xla_first, xla_second), "fused": 25.0}
     assert host_us == {"xla": 20.0, "fused": 11.0}
     assert find._faster(times, {}, "gpu", device_us, host_us) == expected
+
+
+def test_closeness_is_judged_on_the_times_the_choice_compares() -> None:
+    """A device-bound fused kernel is chosen on device time (find._faster), so that is where
+    closeness counts: XLA's long launches (cuDNN's host work) do not keep its second window
+    away, and the window finds XLA's true device time."""
+    from jaxfuse.measure import Timing
+
+    log: list = []
+    harnesses = {"xla": _Windows("xla", [Timing(24.9e-6, 36.0e-6)], log),
+                 "fused": _Windows("fused", [Timing(27.6e-6, 8.0e-6)], log)}
+    device_us, host_us = {"xla": 30.0, "fused": 27.6}, {"xla": 36.7, "fused": 8.0}
+    times = {k: max(device_us[k], host_us[k]) for k in device_us}
+    assert times["xla"] > find._GPU_CLOSE * times["fused"]  # far apart by their costs
+    find._more_windows(harnesses, times, device_us, host_us, None, gpu=True)
+    assert log == ["fused", "xla"] and device_us["xla"] == 24.9
+    assert find._faster(times, {}, "gpu", device_us, host_us) == "xla"
+
+
+def test_cpu_candidates_get_a_second_window_however_far_apart() -> None:
+    """CPUs (no launch split): the second window runs whatever the first gave, and more run
+    only while the two are within _CPU_CLOSE; each keeps its fastest."""
+    from jaxfuse.measure import Timing
+
+    log: list = []
+    harnesses = {"xla": _Windows("xla", [Timing(150e-6), Timing(140e-6)], log),
+                 "fused": _Windows("fused", [Timing(50e-6), Timing(60e-6)], log)}
+    times = {"xla": 300.0, "fused": 55.0}
+    find._more_windows(harnesses, times, {}, {}, None, gpu=False)
+    assert log == ["fused", "xla"]  # then 150 > 1.5 x 50: no third window
+    assert times == {"xla": 150.0, "fused": 50.0}
 
 
 def test_far_apart_gpu_candidates_get_no_second_window() -> None:

@@ -220,7 +220,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
                     group[mode].append(r[f"ratio_{mode}_{measure}"])
         for (n, dtype, layout, ops), ratios in sorted(groups.items()):
             forced, auto = ratios["fused"], ratios["auto"]
-            if not auto:
+            if not (auto or forced):
                 continue
             print(f"geomean xla/jaxfuse ({measure}) N={n} {dtype} {layout} {ops}: forced "
                   f"{_geomean(forced):.2f} (min {min(forced, default=nan):.2f}), auto "

@@ -12,9 +12,11 @@ so the K ops are straight-line code and no input stays cached between them):
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
   divided by K, median over calls; launch gaps and host work excluded. GPU only.
 - span (from the same trace): each call's first kernel start to its last kernel end, divided by
-  K: the device's timeline with the gaps between kernels, as the find step's stopwatch marks
-  measure it (:class:`jaxfuse.measure.Harness`). A composition of several kernels pays a gap
-  before each; the device measure leaves them out.
+  K: the device's timeline with the gaps between kernels, close to what the find step's
+  stopwatch marks measure (:class:`jaxfuse.measure.Harness`, which also holds the device until
+  the host has queued the whole program; here a tiny program's gaps may be paced by its
+  launches). A composition of several kernels pays a gap before each; the device measure
+  leaves them out.
 """
 
 from __future__ import annotations
@@ -152,9 +154,9 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
         calls_kernels = [kernels[a:b] for a, b in itertools.pairwise(bounds)]
         per_call = [busy_ns(k) for k in calls_kernels]
         spans = [span_ns(k) for k in calls_kernels]
-    else:
-        per_call, spans = [busy_ns(kernels) / calls], [span_ns(kernels) / calls]
-    if stats is not None:
+    else:  # (no span: one across several calls would count the gaps between them)
+        per_call, spans = [busy_ns(kernels) / calls], []
+    if stats is not None and spans:
         stats["span_per_op"] = statistics.median(spans) * 1e-9 / len(arg_sets)
     return statistics.median(per_call) * 1e-9 / len(arg_sets)
 
