@@ -377,11 +377,13 @@ def _environment_key(device_kind: str, platform: str) -> str:
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     platform = device.platform.lower()
     environment = _environment_key(device.device_kind, platform)
-    # v7 (GPUs only): candidates timed after warm-up runs, and close ones in a second window
-    # in the other order (_GPU_CLOSE). v6 (CPUs; GPUs skip it): CPU plans with a convolution timed
-    # on up to 8 sets while they take at most 16 MB (measure.set_count).
+    # v8 (GPUs only): closeness for the second window judged on the times the choice compares
+    # (v7 judged it on the costs, so a device-bound fused kernel against XLA's long launches
+    # rarely got one). v7 (GPUs): candidates timed after warm-up runs, and close ones in a
+    # second window in the other order (_GPU_CLOSE). v6 (CPUs; GPUs skip it): CPU plans with
+    # a convolution timed on up to 8 sets while they take at most 16 MB (measure.set_count).
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).
     # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
     # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
-    version = 6 if platform == "cpu" else 7
+    version = 6 if platform == "cpu" else 8
     return f"jaxfuse-solver-v{version}|{environment}|{fused.label}|{signature.encode()}"
