@@ -192,8 +192,8 @@ def _kind(rows: list[dict[str, Any]]) -> str:
 def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     kind = _kind(rows)
     header = (f"{'case':<46} {'fused kernel':<26} {'fused us':>9} {'xla us':>9} "
-              f"{'xla k':>5} {'forced x':>8} {'auto x':>7} {'auto':<6} {'TFLOP/s':>8} "
-              f"{'floor us':>8} {'err':>8} {'% copy':>6}")
+              f"{'xla k':>5} {'forced x':>8} {'auto x':>7} {'auto':<6} {'span x':>6} "
+              f"{'TFLOP/s':>8} {'floor us':>8} {'err':>8} {'% copy':>6}")
     print(header, file=out)
     nan = float("nan")
     for r in rows:
@@ -205,7 +205,8 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
         print(f"{r['case']:<46} {r.get('fused_solver', 'FAILED'):<26} {fused:9.1f} {xla:9.1f} "
               f"{r.get('xla_kernels_per_op') or nan:5.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
-              f"{auto:<6} {r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
+              f"{auto:<6} {r.get('ratio_auto_span', nan):6.2f} "
+              f"{r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
               f"{r.get('fused_rel_error_vs_xla', nan):8.1e} "
               f"{r.get('fused_pct_of_copy', nan):6.0f}", file=out)
     # (device time: the span too, gaps between kernels included, where the trace gave it)
