@@ -58,21 +58,24 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     """Times XLA's composition, jaxfuse's kernel forced (what the kernels achieve) and the plan
     in auto mode (what users get: the faster of the two, by jaxfuse's own measurement).
     `chained`: the K ops of a program depend on each other (timing.batched)."""
-    unfused = batched(case.unfused(), chained)
+    # Each program is compiled once, ahead of time: the same executable gives the reference
+    # result, the optimized text that finds twins, and every timing.
     args = case.arg_sets(sets, device)
+    unfused, xla_text = compiled_program(batched(case.unfused(), chained), args)
     row: dict[str, Any] = {
         "case": case.label(), "layer": case.layer.name, "n": case.n, "dtype": case.dtype,
         "layout": case.layout, "ops": case.ops, "count": case.layer.count,
     }
-    reference = unfused(args[:1])[0]
+    reference = unfused(args)[0]
     timed: dict[str, Any] = {"fused": None, "auto": None}
+    texts: dict[str, str | None] = {"xla": xla_text}
     for mode in timed:
         try:
             plan, ops = case.plan(device, solver=mode)
         except FusionError as err:  # the forced kernel cannot be built: say so, go on
             row[f"{mode}_failed"] = str(err).splitlines()[0]
             continue
-        run = batched(case.fused(plan, ops), chained)
+        run, texts[mode] = compiled_program(batched(case.fused(plan, ops), chained), args)
         timed[mode] = run
         info = plan.kernel_info
         row[f"{mode}_solver"] = " ".join(str(info[k]) for k in ("solver", "tile") if k in info)
@@ -81,7 +84,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
                 row[f"{mode}_solver"] += f" {info[part].split()[0]}"
         if info.get("solver") == "xla":  # (its info still names the kernel it measured)
             row[f"{mode}_solver"] = "xla"
-        row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args[:1])[0], reference)
+        row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args)[0], reference)
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
             row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
@@ -91,13 +94,10 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     # 2x apart by the wall clock; on an H200, 2026-11-28, XLA's 7.96 us batch-1 program timed
     # 12.97 us by device time), so it takes its twin's times, and the row says which.
     twin = None
-    auto_text = program_text(timed["auto"], args) if timed["auto"] is not None else None
-    if auto_text is not None:
-        candidates = {"xla": unfused, "fused": timed["fused"]}
+    if texts.get("auto") is not None:
         first = "xla" if row.get("auto_solver") == "xla" else "fused"
-        twin = next((name for name in dict.fromkeys((first, *candidates))
-                     if candidates[name] is not None
-                     and program_text(candidates[name], args) == auto_text), None)
+        twin = next((name for name in dict.fromkeys((first, "xla", "fused"))
+                     if texts.get(name) == texts["auto"]), None)
     programs = {"xla": unfused, **{m: run for m, run in timed.items()
                                    if run is not None and not (m == "auto" and twin)}}
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
@@ -159,13 +159,25 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     return row
 
 
+def compiled_program(fn: Any, args: Any) -> tuple[Any, str | None]:
+    """Jitted `fn` compiled for `args`, and its optimized program's text
+    (:func:`program_text`); `fn` itself and None where it does not compile ahead of time
+    here."""
+    try:
+        compiled = fn.lower(args).compile()
+    except Exception:  # a program that does not lower here is simply not compared
+        return fn, None
+    return compiled, _comparable_text(compiled.as_text())
+
+
 def program_text(fn: Any, args: Any) -> str | None:
     """The optimized program jitted `fn` compiles to for `args`, with names, metadata, source
     locations and the module's name left out (None where it does not compile here)."""
-    try:
-        lines = fn.lower(args).compile().as_text().splitlines()
-    except Exception:  # a program that does not lower here is simply not compared
-        return None
+    return compiled_program(fn, args)[1]
+
+
+def _comparable_text(text: str) -> str:
+    lines = text.splitlines()
     # (the source-location tables name the Python functions that built each program)
     compiled = "\n".join(line for line in lines if not re.match(
         r"\s*(\d+ [\"{]|FileNames|FunctionNames|FileLocations|StackFrames)", line))
