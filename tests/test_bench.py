@@ -128,27 +128,29 @@ def test_a_case_whose_auto_plan_is_xla_s_program(monkeypatch) -> None:
 
 
 def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
-    """Device times too: a program timed again would read as a different speed (each timing
-    here is slower than the one before)."""
+    """Device times too: a program timed again would read as a different speed. Every
+    program of a row is traced once, together (a trace costs seconds on a GPU)."""
     import jaxfuse.bench.__main__ as bench
+    from jaxfuse.bench.timing import DeviceTiming
 
     plan = BenchCase.plan
     monkeypatch.setattr(BenchCase, "plan", lambda self, device, solver: plan(
         self, device, solver="xla" if solver == "auto" else solver))
-    timings = iter(range(1, 100))
+    seconds = {"xla": 1.0, "fused": 2.0, "auto": 3.0, "copy": 4.0}
+    traced: list = []
 
-    def slower_each_time(fn, args, stats=None):
-        seconds = next(timings) * 1e-6
-        if stats is not None:
-            stats.update(kernels_per_op=1.0, span_per_op=2 * seconds)
-        return seconds
+    def one_trace(programs, calls=5):
+        traced.append(list(programs))
+        return {name: DeviceTiming(seconds[name] * 1e-6, 1.0, 2 * seconds[name] * 1e-6, {})
+                for name in programs}
 
-    monkeypatch.setattr(bench, "device_time_per_op", slower_each_time)
+    monkeypatch.setattr(bench, "device_timings", one_trace)
     device = jax.devices("cpu")[0]
     case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
     ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
     row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=True)
     assert row["auto_same_program_as"] == "xla"
+    assert traced == [["xla", "copy", "fused"]]  # one trace, the auto plan not in it
     assert row["auto_device_us"] == row["xla_device_us"] == 1.0
     assert row["ratio_auto_device"] == 1.0 and row["fused_device_us"] == 2.0
     assert row["auto_span_us"] == row["xla_span_us"] == 2.0 and row["fused_span_us"] == 4.0
@@ -166,6 +168,50 @@ def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:
     twin = "xla" if row["auto_solver"] == "xla" else "fused"
     assert row["auto_same_program_as"] == twin
     assert row["auto_wall_us"] == row[f"{twin}_wall_us"]
+
+
+def _kernels(starts_us, duration_us=10.0):
+    return [(int(t * 1e3), int(duration_us * 1e3), f"k{i % 2}") for i, t in enumerate(starts_us)]
+
+
+def test_one_trace_is_split_into_calls_at_the_sleeps_between_them(monkeypatch) -> None:
+    """Two programs, two calls each, two kernels a call (20 us apart within a call); calls
+    2 ms apart. Each program gets its own calls."""
+    from jaxfuse.bench import timing
+
+    starts = [0, 20, 2000, 2020, 4000, 4030, 6000, 6030]  # (program b's kernels 30 us apart)
+    monkeypatch.setattr(timing, "_traced_kernels", lambda run: _kernels(starts))
+    nothing = (lambda sets: jnp.zeros(1), [(), ()])  # 2 ops a call
+    got = timing.device_timings({"a": nothing, "b": nothing}, calls=2)
+    # 20 us of kernels a call, 2 ops: 10 us an op; spans of 30 and 40 us a call.
+    assert got["a"].seconds == pytest.approx(10e-6) and got["b"].seconds == pytest.approx(10e-6)
+    assert got["a"].span == pytest.approx(15e-6) and got["b"].span == pytest.approx(20e-6)
+    assert got["a"].kernels_per_op == 1.0 and got["a"].by_kernel == {
+        "k0": pytest.approx(5e-6), "k1": pytest.approx(5e-6)}
+
+
+def test_a_split_that_is_not_clean_is_refused() -> None:
+    from jaxfuse.bench.timing import _split
+
+    kernels = _kernels([0, 20, 2000, 2020, 4000, 4030, 6000, 6030])
+    assert [len(g) for g in _split(kernels, 4, min_gap_ns=1e6)] == [2, 2, 2, 2]
+    assert _split(kernels, 3, min_gap_ns=1e6) is None  # four calls where three were asked
+    assert _split(kernels, 9, min_gap_ns=0) is None  # fewer kernels than calls
+    # Without a floor: the largest gaps, whatever they are.
+    assert [len(g) for g in _split(kernels, 3, min_gap_ns=0)] == [2, 2, 4]
+
+
+def test_programs_that_cannot_be_told_apart_are_traced_one_by_one(monkeypatch) -> None:
+    """A program with a gap of its own as long as the sleeps between calls: the one trace
+    cannot be split cleanly, so each program gets a trace of its own."""
+    from jaxfuse.bench import timing
+
+    traces = iter([_kernels([0, 5000, 8000, 13000]),  # both programs, one call each: unclean
+                   _kernels([0, 5000]), _kernels([0, 20])])  # then one trace each
+    monkeypatch.setattr(timing, "_traced_kernels", lambda run: next(traces))
+    nothing = (lambda sets: jnp.zeros(1), [()])
+    got = timing.device_timings({"gappy": nothing, "b": nothing}, calls=1)
+    assert got["gappy"].span == pytest.approx(5010e-6) and got["b"].span == pytest.approx(30e-6)
 
 
 def test_device_time_counts_overlapping_kernels_once() -> None:

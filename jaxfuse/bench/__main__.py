@@ -34,7 +34,7 @@ from ..errors import FusionError
 from .cases import BenchCase
 from .layers import SUITES
 from .roofline import measure_ceilings
-from .timing import batched, device_time_per_op, wall_times_interleaved
+from .timing import batched, device_timings, wall_times_interleaved
 
 
 def _progress(items: list[Any], enabled: bool) -> Any:
@@ -111,51 +111,51 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     for mode in timed:
         if f"{mode}_wall_us" in row:
             row[f"ratio_{mode}_wall"] = row["xla_wall_us"] / row[f"{mode}_wall_us"]
+    flops = case.layer.flops(case.n) if "C" in case.ops else 0
+    nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
+    copy_timing = None
     if device_timing:
-        stats: dict[str, float] = {}
-        xd = device_time_per_op(unfused, args, stats=stats)
-        row["xla_device_us"] = xd * 1e6 if xd else None
-        row["xla_kernels_per_op"] = stats.get("kernels_per_op")
-        row["xla_span_us"] = stats.get("span_per_op", 0) * 1e6
-        for mode, run in timed.items():
-            if mode == "auto" and twin:  # (its twin's time, as for the wall clock)
-                continue
-            stats.clear()
-            d = device_time_per_op(run, args, stats=stats) if run is not None else None
-            if d and xd:
-                row[f"{mode}_device_us"] = d * 1e6
-                row[f"ratio_{mode}_device"] = xd / d
-                row[f"{mode}_kernels_per_op"] = stats.get("kernels_per_op")
-                if stats.get("span_per_op") and row["xla_span_us"]:
-                    row[f"{mode}_span_us"] = stats["span_per_op"] * 1e6
+        # A copy of the case's own minimal bytes (half read, half written), timed as the case
+        # is: the bandwidth a memory-bound kernel of this size can reach, launch and ramp
+        # included, where the 1 GiB copy of the ceilings cannot be (small layers).
+        copy = batched(lambda a: a * 1.5)
+        key = jax.random.key(1)
+        copy_sets = [(jax.device_put(jax.random.normal(jax.random.fold_in(key, i),
+                                                       (max(1, nbytes // 8),)), device),)
+                     for i in range(len(args))]
+        traced = {"xla": (unfused, args), "copy": (copy, copy_sets),
+                  **{m: (run, args) for m, run in programs.items() if m != "xla"}}
+        timings = device_timings(traced)  # (one trace for all: each costs seconds)
+        copy_timing, xla = timings["copy"], timings["xla"]
+        row["xla_device_us"] = xla.seconds * 1e6 if xla else None
+        row["xla_kernels_per_op"] = xla.kernels_per_op if xla else None
+        row["xla_span_us"] = (xla.span or 0) * 1e6 if xla else 0
+        for mode in timed:
+            mine = timings.get(mode)
+            if mine and xla and mine.seconds and xla.seconds:
+                row[f"{mode}_device_us"] = mine.seconds * 1e6
+                row[f"ratio_{mode}_device"] = xla.seconds / mine.seconds
+                row[f"{mode}_kernels_per_op"] = mine.kernels_per_op
+                if mine.span and row["xla_span_us"]:
+                    row[f"{mode}_span_us"] = mine.span * 1e6
                     row[f"ratio_{mode}_span"] = row["xla_span_us"] / row[f"{mode}_span_us"]
-        if twin and row.get(f"{twin}_device_us") and xd:
+        # (an auto plan with a twin was not timed: its twin's times, as for the wall clock)
+        if twin and row.get(f"{twin}_device_us") and row["xla_device_us"]:
             for part in ("device_us", "kernels_per_op", "span_us"):
                 if f"{twin}_{part}" in row:
                     row[f"auto_{part}"] = row[f"{twin}_{part}"]
             row["ratio_auto_device"] = row["xla_device_us"] / row["auto_device_us"]
             if row.get("auto_span_us"):
                 row["ratio_auto_span"] = row["xla_span_us"] / row["auto_span_us"]
-    flops = case.layer.flops(case.n) if "C" in case.ops else 0
-    nbytes = case.layer.min_bytes(case.n, np.dtype(case.dtype).itemsize)
     floor = ceilings.floor(flops, nbytes, case.dtype)
     row.update(gflop=flops / 1e9, mbytes=nbytes / 1e6, floor_us=floor * 1e6)
     best = row.get("fused_device_us", row.get("fused_wall_us"))
     if best:
         row.update(tflops=flops / best / 1e6, gbs=nbytes / best / 1e3,
                    fused_over_floor=best * 1e-6 / floor)
-    if device_timing and best:
-        # A copy of the case's own minimal bytes (half read, half written), timed as the case
-        # is: the bandwidth a memory-bound kernel of this size can reach, launch and ramp
-        # included, where the 1 GiB copy of the ceilings cannot be (small layers).
-        copy = batched(lambda a: a * 1.5)
-        key = jax.random.key(1)
-        sets = [(jax.device_put(jax.random.normal(jax.random.fold_in(key, i),
-                                                  (max(1, nbytes // 8),)), device),)
-                for i in range(len(args))]
-        seconds = device_time_per_op(copy, sets)
-        if seconds:
-            row.update(copy_device_us=seconds * 1e6, fused_pct_of_copy=100 * seconds * 1e6 / best)
+    if device_timing and best and copy_timing and copy_timing.seconds:
+        row.update(copy_device_us=copy_timing.seconds * 1e6,
+                   fused_pct_of_copy=100 * copy_timing.seconds * 1e6 / best)
     return row
 
 

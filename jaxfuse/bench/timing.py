@@ -10,7 +10,8 @@ so the K ops are straight-line code and no input stays cached between them):
   set aside as the find step sets them aside (:func:`jaxfuse.measure.quiet_runs`); on CPUs the
   fastest run counts rather than the median (see :func:`wall_times_interleaved`);
 - device: the GPU kernels' own durations from a profiler trace (CUPTI), summed per call and
-  divided by K, median over calls; launch gaps and host work excluded. GPU only.
+  divided by K, median over calls; launch gaps and host work excluded. GPU only. The programs
+  a benchmark row compares share one trace (:func:`device_timings`).
 - span (from the same trace): each call's first kernel start to its last kernel end, divided by
   K: the device's timeline with the gaps between kernels, close to what the find step's
   stopwatch marks measure (:class:`jaxfuse.measure.Harness`, which also holds the device until
@@ -21,6 +22,7 @@ so the K ops are straight-line code and no input stays cached between them):
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import statistics
@@ -33,7 +35,8 @@ import jax
 
 from ..measure import page_faults, quiet_runs
 
-__all__ = ["batched", "device_time_per_op", "wall_time_per_op", "wall_times_interleaved"]
+__all__ = ["DeviceTiming", "batched", "device_time_per_op", "device_timings", "wall_time_per_op",
+           "wall_times_interleaved"]
 
 
 def batched(fn: Callable[..., Any], chained: bool = False
@@ -104,6 +107,53 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
             for name, t in times.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceTiming:
+    """One program's kernels in a profiler trace, per op (see :func:`device_timings`)."""
+
+    seconds: float  # median over calls of the time some kernel runs
+    kernels_per_op: float
+    span: float | None  # median over calls of first start to last end; None: calls not split
+    by_kernel: dict[str, float]  # each kernel name's mean seconds (its durations)
+
+
+# Host sleep before each traced call: each call's kernels are then set apart from the last
+# call's by a gap at least this long, which the split finds (a layer's own gaps between its
+# kernels are launches, tens of microseconds). Short enough that the clocks stay up.
+_CALL_GAP_SECONDS = 1e-3
+
+
+def device_timings(programs: dict[str, tuple[Callable[[Any], Any], Sequence[Sequence[Any]]]],
+                   calls: int = 5) -> dict[str, DeviceTiming | None]:
+    """Device timings of several ``(many, arg_sets)`` programs from ONE profiler trace (a
+    trace costs its setup and its file on each use), `calls` calls each, one after another.
+    The kernels are split into calls at the gaps the sleeps between calls leave; where that
+    split is not clean (a program with a gap of its own that long), each program is traced
+    on its own and its calls split at its largest gaps. None for a program without GPU
+    kernels (CPUs)."""
+    for many, arg_sets in programs.values():
+        jax.block_until_ready(many(arg_sets))
+
+    def run_all() -> None:
+        for many, arg_sets in programs.values():
+            for _ in range(calls):
+                time.sleep(_CALL_GAP_SECONDS)
+                jax.block_until_ready(many(arg_sets))
+
+    kernels = _traced_kernels(run_all)
+    groups = _split(kernels, len(programs) * calls, min_gap_ns=_CALL_GAP_SECONDS * 1e9 / 2)
+    if groups is None and kernels and len(programs) > 1:
+        return {name: device_timings({name: program}, calls)[name]
+                for name, program in programs.items()}
+    if groups is None and kernels:  # one program: split at its largest gaps, whatever they are
+        groups = _split(kernels, calls, min_gap_ns=0) or [list(kernels)]
+    result: dict[str, DeviceTiming | None] = {}
+    for index, (name, (_, arg_sets)) in enumerate(programs.items()):
+        mine = groups[index * calls:(index + 1) * calls] if groups else None
+        result[name] = _timing(mine, len(arg_sets), calls) if mine else None
+    return result
+
+
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
                        calls: int = 5, by_kernel: dict[str, float] | None = None,
                        stats: dict[str, float] | None = None) -> float | None:
@@ -115,50 +165,77 @@ def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[A
     `stats` receives "kernels_per_op" (below 1 where the program merged ops into shared
     kernels) and "span_per_op" (seconds, the median call's first kernel start to last kernel
     end over K; see the module docstring)."""
+    timing = device_timings({"": (many, arg_sets)}, calls)[""]
+    if timing is None:
+        return None
+    if by_kernel is not None:
+        for name, seconds in timing.by_kernel.items():
+            by_kernel[name] = by_kernel.get(name, 0.0) + seconds
+    if stats is not None:
+        stats["kernels_per_op"] = timing.kernels_per_op
+        if timing.span is not None:
+            stats["span_per_op"] = timing.span
+    return timing.seconds
+
+
+Kernel = tuple[int, int, str]  # start ns, duration ns, name
+
+
+def _traced_kernels(run: Callable[[], None]) -> list[Kernel]:
+    """The GPU kernels `run` launches, from a profiler trace, sorted by start."""
     from jax.profiler import ProfileData
 
-    jax.block_until_ready(many(arg_sets))
+    kernels: list[Kernel] = []
     with tempfile.TemporaryDirectory() as folder:
-        marks = []
         with jax.profiler.trace(folder):
-            for _ in range(calls):
-                start = time.perf_counter_ns()
-                jax.block_until_ready(many(arg_sets))
-                marks.append((start, time.perf_counter_ns()))
+            run()
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         if not files:
-            return None
+            return kernels
         data = ProfileData.from_file(files[0])
-        kernels = []
         for plane in data.planes:
             if not plane.name.startswith("/device:GPU"):
                 continue
             for line in plane.lines:
                 # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them.
                 if line.name.startswith("Stream"):
-                    kernels += [(e.start_ns, e.duration_ns) for e in line.events]
-                    if by_kernel is not None:
-                        for e in line.events:
-                            by_kernel[e.name] = (by_kernel.get(e.name, 0.0) + e.duration_ns
-                                                 * 1e-9 / (calls * len(arg_sets)))
-    if not kernels:
+                    kernels += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+    return sorted(kernels)
+
+
+def _split(kernels: Sequence[Kernel], count: int, min_gap_ns: float
+           ) -> list[list[Kernel]] | None:
+    """`kernels` (sorted) cut at their count - 1 largest gaps between one kernel's end (the
+    latest so far) and the next start; None unless there are that many kernels and exactly
+    count - 1 gaps of at least `min_gap_ns` (where that is above 0)."""
+    if len(kernels) < count:
         return None
-    if stats is not None:
-        stats["kernels_per_op"] = len(kernels) / (calls * len(arg_sets))
-    kernels.sort()
-    # Split the kernels into calls at the largest gaps between them (the host syncs).
-    if calls > 1 and len(kernels) >= calls:
-        gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] -
-                      (kernels[i - 1][0] + kernels[i - 1][1]), reverse=True)[:calls - 1]
-        bounds = [0, *sorted(gaps), len(kernels)]
-        calls_kernels = [kernels[a:b] for a, b in itertools.pairwise(bounds)]
-        per_call = [busy_ns(k) for k in calls_kernels]
-        spans = [span_ns(k) for k in calls_kernels]
-    else:  # (no span: one across several calls would count the gaps between them)
-        per_call, spans = [busy_ns(kernels) / calls], []
-    if stats is not None and spans:
-        stats["span_per_op"] = statistics.median(spans) * 1e-9 / len(arg_sets)
-    return statistics.median(per_call) * 1e-9 / len(arg_sets)
+    gaps, end = [], kernels[0][0] + kernels[0][1]
+    for i in range(1, len(kernels)):
+        gaps.append((kernels[i][0] - end, i))
+        end = max(end, kernels[i][0] + kernels[i][1])
+    cuts = sorted(gaps, reverse=True)[:count - 1]
+    if min_gap_ns > 0 and (sum(gap >= min_gap_ns for gap, _ in gaps) != count - 1):
+        return None
+    bounds = [0, *sorted(i for _, i in cuts), len(kernels)]
+    return [list(kernels[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def _timing(calls_kernels: list[list[Kernel]], ops: int, calls: int) -> DeviceTiming:
+    intervals = [[(start, duration) for start, duration, _ in k] for k in calls_kernels]
+    by_kernel: dict[str, float] = {}
+    for k in calls_kernels:
+        for _, duration, name in k:
+            by_kernel[name] = by_kernel.get(name, 0.0) + duration * 1e-9 / (calls * ops)
+    # (fewer kernels than calls: one group, whose span would count the gaps between calls)
+    split = len(calls_kernels) == calls
+    busy = (statistics.median(busy_ns(k) for k in intervals) if split
+            else busy_ns(intervals[0]) / calls)
+    return DeviceTiming(
+        seconds=busy * 1e-9 / ops,
+        kernels_per_op=sum(len(k) for k in calls_kernels) / (calls * ops),
+        span=statistics.median(span_ns(k) for k in intervals) * 1e-9 / ops if split else None,
+        by_kernel=by_kernel)
 
 
 def span_ns(kernels: Sequence[tuple[int, int]]) -> int:
