@@ -1,6 +1,7 @@
 # Sourced by scripts/gpu_session.sh and scripts/gpu_parallel.sh: one run each, its logs and
 # JSON under $OUT, its table printed, within the seconds it is given.
-#   layer_run SUITE:DTYPE:LAYOUT:BATCHES SECONDS   (python -m jaxfuse.bench; LAYER_MATCH)
+#   layer_run SUITE:DTYPE:LAYOUT:BATCHES SECONDS   (python -m jaxfuse.bench; LAYER_MATCH;
+#                                                   SUITE and DTYPE may be lists: a,b)
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
@@ -13,12 +14,13 @@
 layer_run() {
   local suite dtype layout batches start tag rc
   IFS=: read -r suite dtype layout batches <<< "$1"
-  tag="${suite}_${dtype}_${layout}_${batches//,/_}"
+  tag="${suite//,/-}_${dtype//,/-}_${layout}_${batches//,/_}"
   start=$(date +%s)
+  # (suites and dtypes may be comma-separated lists: one process, one start-up, for all)
   # shellcheck disable=SC2086
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
-    $py -m jaxfuse.bench --suite "$suite" --batch ${batches//,/ } \
-    --dtype "$dtype" --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
+    $py -m jaxfuse.bench --suite ${suite//,/ } --batch ${batches//,/ } \
+    --dtype ${dtype//,/ } --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
     --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
   rc=$?
   echo "$1 exit $rc in $(( $(date +%s) - start )) s"

@@ -267,3 +267,22 @@ def test_a_model_run_saves_each_row_as_it_finishes(tmp_path, monkeypatch, capsys
     assert [r["batch"] for r in rows] == [1, 8] and all("row_s" in r for r in rows)
     table = capsys.readouterr().out.splitlines()
     assert table[0] == "device: cpu" and len(table) == 4 and table[2].startswith("resnet50")
+
+
+def test_one_run_of_several_suites_sums_each_suite_apart() -> None:
+    """A run may hold several suites (one process start-up on the device): its geomeans and
+    network sums are per suite."""
+    def row(suite, layer, ratio, count=1):
+        return {"suite": suite, "case": layer, "layer": layer, "n": 1, "dtype": "bfloat16",
+                "layout": "NHWC", "ops": "CBNA", "count": count, "floor_us": 1.0,
+                "ratio_fused_wall": ratio, "ratio_auto_wall": ratio, "xla_wall_us": 10.0,
+                "fused_wall_us": 10.0 / ratio, "auto_wall_us": 10.0 / ratio}
+
+    table = io.StringIO()
+    print_table([row("resnet50", "a", 2.0), row("na", "b", 0.5),
+                 row("resnet50_net", "c", 1.0, count=3)], out=table)
+    text = table.getvalue()
+    assert "geomean xla/jaxfuse (wall) resnet50 N=1 bfloat16 NHWC CBNA: forced 2.00" in text
+    assert "geomean xla/jaxfuse (wall) na N=1 bfloat16 NHWC CBNA: forced 0.50" in text
+    assert "network sum (wall) resnet50_net N=1 bfloat16 NHWC: xla 30 us" in text
+    assert "network sum (wall) resnet50 " not in text  # (no layer of it counts more than once)

@@ -225,35 +225,38 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     measures = [kind, "span"] if kind == "device" else [kind]
     for measure in measures:
         groups: dict[tuple[Any, ...], dict[str, list[float]]] = {}
-        for r in rows:
-            group = groups.setdefault((r["n"], r["dtype"], r["layout"], r["ops"]),
-                                      {"fused": [], "auto": []})
+        for r in rows:  # (by suite where the rows name theirs: one run may hold several)
+            group = groups.setdefault((r.get("suite") or "", r["n"], r["dtype"], r["layout"],
+                                       r["ops"]), {"fused": [], "auto": []})
             for mode in group:
                 if f"ratio_{mode}_{measure}" in r:
                     group[mode].append(r[f"ratio_{mode}_{measure}"])
-        for (n, dtype, layout, ops), ratios in sorted(groups.items()):
+        for (suite, n, dtype, layout, ops), ratios in sorted(groups.items()):
             forced, auto = ratios["fused"], ratios["auto"]
             if not (auto or forced):
                 continue
-            print(f"geomean xla/jaxfuse ({measure}) N={n} {dtype} {layout} {ops}: forced "
+            print(f"geomean xla/jaxfuse ({measure}) {suite + ' ' if suite else ''}"
+                  f"N={n} {dtype} {layout} {ops}: forced "
                   f"{_geomean(forced):.2f} (min {min(forced, default=nan):.2f}), auto "
                   f"{_geomean(auto):.2f} (min {min(auto, default=nan):.2f}), {len(auto)} cases",
                   file=out)
     # A network suite (layers with counts): the summed time of all its convolutions.
-    for (n, dtype, layout), members in _network_groups(rows).items():
+    for (suite, n, dtype, layout), members in _network_groups(rows).items():
         sums = {mode: sum(r["count"] * r.get(f"{mode}_{kind}_us", nan) for r in members)
                 for mode in ("xla", "fused", "auto")}
-        print(f"network sum ({kind}) N={n} {dtype} {layout}: xla {sums['xla']:.0f} us, forced "
+        print(f"network sum ({kind}) {suite + ' ' if suite else ''}N={n} {dtype} {layout}: "
+              f"xla {sums['xla']:.0f} us, forced "
               f"{sums['fused']:.0f} us ({sums['xla'] / sums['fused']:.2f}x), auto "
               f"{sums['auto']:.0f} us ({sums['xla'] / sums['auto']:.2f}x), "
               f"{sum(r['count'] for r in members)} convolutions", file=out)
 
 
 def _network_groups(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
-    """Rows of network suites (those with a count above 1 somewhere), by batch/dtype/layout."""
+    """Rows of network suites (those with a count above 1 somewhere), by suite (where the
+    rows name theirs), batch, dtype and layout."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["n"], r["dtype"], r["layout"]), []).append(r)
+        groups.setdefault((r.get("suite") or "", r["n"], r["dtype"], r["layout"]), []).append(r)
     return {k: v for k, v in groups.items() if any(r.get("count", 1) > 1 for r in v)}
 
 
@@ -314,16 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device.device_kind} ({device.platform}); copy "
           f"{ceilings.copy_bandwidth / 1e12:.2f} TB/s; matmul TFLOP/s " +
           ", ".join(f"{k} {v / 1e12:.0f}" for k, v in ceilings.matmul.items()), file=sys.stderr)
-    cases = [BenchCase.for_layer(layer, n, dtype, layout, args.ops, filters, args.filter_dtype)
+    cases = [(suite, BenchCase.for_layer(layer, n, dtype, layout, args.ops, filters,
+                                         args.filter_dtype))
              for suite in args.suite for layer in SUITES[suite]
              if args.layers is None or re.search(args.layers, layer.name)
              for n in args.batch for dtype in args.dtype for layout in args.layout
              for filters in args.filter_layout]
     rows = []
-    for case in _progress(cases, not args.no_progress):
+    for suite, case in _progress(cases, not args.no_progress):
         sets = args.sets if case.n > 1 else max(args.sets, 16)
-        rows.append(run_case(case, device, ceilings, sets, args.repeats,
-                             device_timing=device.platform == "gpu", chained=args.chain))
+        rows.append({"suite": suite, **run_case(
+            case, device, ceilings, sets, args.repeats,
+            device_timing=device.platform == "gpu", chained=args.chain)})
         if args.no_progress:  # a log of rows as they finish, should the run be cut short
             print(json.dumps(rows[-1], default=str), file=sys.stderr)
     print_table(rows)
