@@ -247,7 +247,8 @@ def _more_windows(harnesses: dict[str, Harness], times: dict[str, float],
             return
         for name in (FUSED, XLA) if turn % 2 == 0 else (XLA, FUSED):
             try:
-                timing = harnesses[name].run()[1]
+                # (no warm-up: the device has just run the other candidate)
+                timing = harnesses[name].run(warm_up=False)[1]
             except Exception as err:  # it ran once: keep that time
                 logger.debug("jaxfuse: %s candidate %s, window %d: %s", signature.describe(),
                              name, turn + 2, err)

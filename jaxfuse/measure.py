@@ -238,13 +238,16 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
-    def run(self, limit: float | None = None) -> tuple[jax.Array, Timing]:
+    def run(self, limit: float | None = None, warm_up: bool = True
+            ) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
         times per run (see the class docstring). The first run, which also loads modules and
         allocates, is not timed; with a `limit`, a second run is timed (by the wall clock on
         CPUs, by the stopwatch's marks on GPUs), and if it already exceeds `limit` seconds per
         run (a candidate far slower than another), that is the result (``cut_short``): a
-        loser needs no precise time, and a slow one costs seconds.
+        loser needs no precise time, and a slow one costs seconds. On GPUs the timed runs
+        follow :data:`_GPU_WARM_SECONDS` of untimed ones, unless `warm_up` is false (the
+        device has just been busy).
 
         On GPUs timed runs keep the outputs of up to :data:`_KEPT_RUNS` runs before them
         alive, as a model's caller does with the results of calls queued back to back: each run then
@@ -269,7 +272,7 @@ class Harness:
                 # Its launch work is unknown: charged the whole time, so no program picks it.
                 return first, Timing(seconds, seconds, cut_short=True)
         if self.stopwatch is not None:  # (after screening: a loser is not warmed up)
-            warm_until = time.perf_counter() + _GPU_WARM_SECONDS
+            warm_until = time.perf_counter() + (_GPU_WARM_SECONDS if warm_up else 0.0)
             while time.perf_counter() < warm_until:
                 jax.block_until_ready(self.run_all(sets))
             extension().stopwatch_gate(self.stopwatch, True)
