@@ -32,7 +32,14 @@ import jax
 import jaxlib
 
 from ._extension import extension
-from .measure import Harness, device_timing, random_operands, relative_error, set_count
+from .measure import (
+    GPU_REWARM_SECONDS,
+    Harness,
+    device_timing,
+    random_operands,
+    relative_error,
+    set_count,
+)
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
@@ -247,8 +254,9 @@ def _more_windows(harnesses: dict[str, Harness], times: dict[str, float],
             return
         for name in (FUSED, XLA) if turn % 2 == 0 else (XLA, FUSED):
             try:
-                # (no warm-up: the device has just run the other candidate)
-                timing = harnesses[name].run(warm_up=False)[1]
+                # (a short warm-up: the device ran the other candidate just before, but sat
+                # idle while the host compared their outputs)
+                timing = harnesses[name].run(warm_up=GPU_REWARM_SECONDS)[1]
             except Exception as err:  # it ran once: keep that time
                 logger.debug("jaxfuse: %s candidate %s, window %d: %s", signature.describe(),
                              name, turn + 2, err)
@@ -380,7 +388,7 @@ def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     environment = _environment_key(device.device_kind, platform)
     # v8 (GPUs only): closeness for the second window judged on the times the choice compares
     # (v7 judged it on the costs, so a device-bound fused kernel against XLA's long launches
-    # rarely got one). v7 (GPUs): candidates timed after warm-up runs, and close ones in a
+    # rarely got one), and that window after 5 ms of warm-up. v7 (GPUs): candidates timed after warm-up runs, and close ones in a
     # second window in the other order (_GPU_CLOSE). v6 (CPUs; GPUs skip it): CPU plans with
     # a convolution timed on up to 8 sets while they take at most 16 MB (measure.set_count).
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).

@@ -38,8 +38,8 @@ from ._extension import STOPWATCH_TARGET, extension
 from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
-__all__ = ["TIMING_SCALARS", "Harness", "Timing", "device_timing", "page_faults", "quiet_runs",
-           "random_operands", "relative_error", "set_count"]
+__all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing", "device_timing",
+           "page_faults", "quiet_runs", "random_operands", "relative_error", "set_count"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
@@ -87,6 +87,8 @@ _BUDGET_SECONDS = {"cpu": 0.1, "gpu": 0.05}
 # while the clocks still rise from idle (after the host compiled it): a window of a few
 # milliseconds of device work is over before they have.
 _GPU_WARM_SECONDS = 0.02
+# ... and before a later window, after the host compared the candidates' outputs.
+GPU_REWARM_SECONDS = 0.005
 
 # The runtime scalars candidates are timed with: meaningful for every activation mode.
 _SCALARS = {"conv_alpha": 1.0, "bn_epsilon": 1e-3, "act_alpha": 0.1, "act_beta": 1.0,
@@ -238,7 +240,7 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
-    def run(self, limit: float | None = None, warm_up: bool = True
+    def run(self, limit: float | None = None, warm_up: float = _GPU_WARM_SECONDS
             ) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
         times per run (see the class docstring). The first run, which also loads modules and
@@ -246,8 +248,8 @@ class Harness:
         CPUs, by the stopwatch's marks on GPUs), and if it already exceeds `limit` seconds per
         run (a candidate far slower than another), that is the result (``cut_short``): a
         loser needs no precise time, and a slow one costs seconds. On GPUs the timed runs
-        follow :data:`_GPU_WARM_SECONDS` of untimed ones, unless `warm_up` is false (the
-        device has just been busy).
+        follow `warm_up` seconds of untimed ones (:data:`_GPU_WARM_SECONDS`, or less where
+        the device has just been busy).
 
         On GPUs timed runs keep the outputs of up to :data:`_KEPT_RUNS` runs before them
         alive, as a model's caller does with the results of calls queued back to back: each run then
@@ -272,7 +274,7 @@ class Harness:
                 # Its launch work is unknown: charged the whole time, so no program picks it.
                 return first, Timing(seconds, seconds, cut_short=True)
         if self.stopwatch is not None:  # (after screening: a loser is not warmed up)
-            warm_until = time.perf_counter() + (_GPU_WARM_SECONDS if warm_up else 0.0)
+            warm_until = time.perf_counter() + warm_up
             while time.perf_counter() < warm_until:
                 jax.block_until_ready(self.run_all(sets))
             extension().stopwatch_gate(self.stopwatch, True)

@@ -174,15 +174,40 @@ def _kernels(starts_us, duration_us=10.0):
     return [(int(t * 1e3), int(duration_us * 1e3), f"k{i % 2}") for i, t in enumerate(starts_us)]
 
 
-def test_one_trace_is_split_into_calls_at_the_sleeps_between_them(monkeypatch) -> None:
-    """Two programs, two calls each, two kernels a call (20 us apart within a call); calls
-    2 ms apart. Each program gets its own calls."""
+def _fake_trace(monkeypatch, trace_of_calls):
+    """A profiler stand-in: runs the traced function (its calls log themselves, its sleeps
+    too) and returns the kernels `trace_of_calls` gives for that log."""
     from jaxfuse.bench import timing
 
-    starts = [0, 20, 2000, 2020, 4000, 4030, 6000, 6030]  # (program b's kernels 30 us apart)
-    monkeypatch.setattr(timing, "_traced_kernels", lambda run: _kernels(starts))
-    nothing = (lambda sets: jnp.zeros(1), [(), ()])  # 2 ops a call
-    got = timing.device_timings({"a": nothing, "b": nothing}, calls=2)
+    log: list = []
+    monkeypatch.setattr(timing.time, "sleep", lambda seconds: log.append("sleep"))
+
+    def traced(run):
+        log.clear()
+        run()
+        return trace_of_calls(log)
+
+    monkeypatch.setattr(timing, "_traced_kernels", traced)
+    return log
+
+
+def _logging(name, log, ops=2):
+    def many(sets):
+        log.append(name)
+        return jnp.zeros(1)
+    return many, [()] * ops
+
+
+def test_one_trace_is_split_into_calls_at_the_sleeps_between_them(monkeypatch) -> None:
+    """Two programs, two calls each, each call after a sleep; two kernels a call (20 us
+    apart in a's calls, 30 in b's); calls 2 ms apart. Each program gets its own calls."""
+    from jaxfuse.bench import timing
+
+    starts = [0, 20, 2000, 2020, 4000, 4030, 6000, 6030]
+    log = _fake_trace(monkeypatch, lambda log: _kernels(starts))
+    got = timing.device_timings({"a": _logging("a", log), "b": _logging("b", log)}, calls=2)
+    assert log == ["sleep", "a", "sleep", "a", "sleep", "b", "sleep", "b"]
+    assert got["a"].shared and got["b"].shared
     # 20 us of kernels a call, 2 ops: 10 us an op; spans of 30 and 40 us a call.
     assert got["a"].seconds == pytest.approx(10e-6) and got["b"].seconds == pytest.approx(10e-6)
     assert got["a"].span == pytest.approx(15e-6) and got["b"].span == pytest.approx(20e-6)
@@ -208,10 +233,25 @@ def test_programs_that_cannot_be_told_apart_are_traced_one_by_one(monkeypatch) -
 
     traces = iter([_kernels([0, 5000, 8000, 13000]),  # both programs, one call each: unclean
                    _kernels([0, 5000]), _kernels([0, 20])])  # then one trace each
-    monkeypatch.setattr(timing, "_traced_kernels", lambda run: next(traces))
+    _fake_trace(monkeypatch, lambda log: next(traces))
     nothing = (lambda sets: jnp.zeros(1), [()])
     got = timing.device_timings({"gappy": nothing, "b": nothing}, calls=1)
     assert got["gappy"].span == pytest.approx(5010e-6) and got["b"].span == pytest.approx(30e-6)
+    assert not got["gappy"].shared
+
+
+def test_a_count_of_gaps_that_only_looks_clean_is_not_trusted(monkeypatch) -> None:
+    """Program a's calls launch nothing, and b has a long gap of its own in each call: the
+    number of long gaps matches, but b's calls would come out unlike each other."""
+    from jaxfuse.bench import timing
+
+    both = [(0, 10, "x"), (3000, 10, "y"), (6000, 10, "x"), (9000, 10, "y")]
+    traces = iter([both, [], both])
+    _fake_trace(monkeypatch, lambda log: next(traces))
+    nothing = (lambda sets: jnp.zeros(1), [()])
+    got = timing.device_timings({"a": nothing, "b": nothing}, calls=2)
+    assert got["a"] is None  # traced alone: no kernels
+    assert got["b"].kernels_per_op == 2.0 and not got["b"].shared  # its own trace, both calls
 
 
 def test_device_time_counts_overlapping_kernels_once() -> None:
@@ -286,3 +326,20 @@ def test_one_run_of_several_suites_sums_each_suite_apart() -> None:
     assert "geomean xla/jaxfuse (wall) na N=1 bfloat16 NHWC CBNA: forced 0.50" in text
     assert "network sum (wall) resnet50_net N=1 bfloat16 NHWC: xla 30 us" in text
     assert "network sum (wall) resnet50 " not in text  # (no layer of it counts more than once)
+
+
+@pytest.mark.parametrize("missing", ["xla", "copy", "fused"])
+def test_a_program_without_a_device_time_leaves_its_columns_out(monkeypatch, missing) -> None:
+    import jaxfuse.bench.__main__ as bench
+    from jaxfuse.bench.timing import DeviceTiming
+
+    monkeypatch.setattr(bench, "device_timings", lambda programs, calls=5: {
+        name: None if name == missing else DeviceTiming(2e-6, 1.0, 3e-6, {}, shared=True)
+        for name in programs})
+    device = jax.devices("cpu")[0]
+    case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
+    ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
+    row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=True)
+    assert ("ratio_fused_device" in row) == (missing not in ("xla", "fused"))
+    assert ("copy_device_us" in row) == (missing != "copy")  # (else against the wall time)
+    assert row["device_trace_shared"] == (missing != "xla")

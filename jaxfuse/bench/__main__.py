@@ -127,6 +127,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
                   **{m: (run, args) for m, run in programs.items() if m != "xla"}}
         timings = device_timings(traced)  # (one trace for all: each costs seconds)
         copy_timing, xla = timings["copy"], timings["xla"]
+        row["device_trace_shared"] = bool(xla and xla.shared)
         row["xla_device_us"] = xla.seconds * 1e6 if xla else None
         row["xla_kernels_per_op"] = xla.kernels_per_op if xla else None
         row["xla_span_us"] = (xla.span or 0) * 1e6 if xla else 0

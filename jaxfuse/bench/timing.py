@@ -115,6 +115,7 @@ class DeviceTiming:
     kernels_per_op: float
     span: float | None  # median over calls of first start to last end; None: calls not split
     by_kernel: dict[str, float]  # each kernel name's mean seconds (its durations)
+    shared: bool = False  # from a trace shared with other programs (device_timings)
 
 
 # Host sleep before each traced call: each call's kernels are then set apart from the last
@@ -142,6 +143,9 @@ def device_timings(programs: dict[str, tuple[Callable[[Any], Any], Sequence[Sequ
 
     kernels = _traced_kernels(run_all)
     groups = _split(kernels, len(programs) * calls, min_gap_ns=_CALL_GAP_SECONDS * 1e9 / 2)
+    if groups is not None and not all(
+            _alike(groups[i * calls:(i + 1) * calls]) for i in range(len(programs))):
+        groups = None  # (a program's calls differ: the cuts fell elsewhere than between calls)
     if groups is None and kernels and len(programs) > 1:
         return {name: device_timings({name: program}, calls)[name]
                 for name, program in programs.items()}
@@ -150,8 +154,16 @@ def device_timings(programs: dict[str, tuple[Callable[[Any], Any], Sequence[Sequ
     result: dict[str, DeviceTiming | None] = {}
     for index, (name, (_, arg_sets)) in enumerate(programs.items()):
         mine = groups[index * calls:(index + 1) * calls] if groups else None
-        result[name] = _timing(mine, len(arg_sets), calls) if mine else None
+        timing = _timing(mine, len(arg_sets), calls) if mine else None
+        result[name] = (dataclasses.replace(timing, shared=len(programs) > 1)
+                        if timing else None)
     return result
+
+
+def _alike(calls_kernels: list[list[Kernel]]) -> bool:
+    """Whether every call launched the same kernels (by name and count)."""
+    names = [sorted(name for _, _, name in k) for k in calls_kernels]
+    return all(n == names[0] for n in names)
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
