@@ -388,9 +388,10 @@ def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     environment = _environment_key(device.device_kind, platform)
     # v8 (GPUs only): closeness for the second window judged on the times the choice compares
     # (v7 judged it on the costs, so a device-bound fused kernel against XLA's long launches
-    # rarely got one), and that window after 5 ms of warm-up. v7 (GPUs): candidates timed after warm-up runs, and close ones in a
-    # second window in the other order (_GPU_CLOSE). v6 (CPUs; GPUs skip it): CPU plans with
-    # a convolution timed on up to 8 sets while they take at most 16 MB (measure.set_count).
+    # rarely got one), and that window after 5 ms of warm-up. v7 (GPUs): candidates timed
+    # after warm-up runs, and close ones in a second window in the other order (_GPU_CLOSE).
+    # v6 (CPUs; GPUs skip it): CPU plans with a convolution timed on up to 8 sets while they
+    # take at most 16 MB (measure.set_count).
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).
     # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
     # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
