@@ -167,26 +167,20 @@ def _alike(calls_kernels: list[list[Kernel]]) -> bool:
 
 
 def device_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any]],
-                       calls: int = 5, by_kernel: dict[str, float] | None = None,
-                       stats: dict[str, float] | None = None) -> float | None:
+                       calls: int = 5, by_kernel: dict[str, float] | None = None
+                       ) -> float | None:
     """Median GPU-kernel seconds per op, from a profiler trace; None without GPU events: the
     time some kernel runs, kernels that overlap counted once. (A kernel that XLA's command
     buffer starts before the previous one ends, programmatic dependent launch, waits for it
     inside its own duration: summed durations would count that wait as the kernel's time.)
-    `by_kernel`, if given, receives each kernel name's mean seconds per op (its durations);
-    `stats` receives "kernels_per_op" (below 1 where the program merged ops into shared
-    kernels) and "span_per_op" (seconds, the median call's first kernel start to last kernel
-    end over K; see the module docstring)."""
+    `by_kernel`, if given, receives each kernel name's mean seconds per op (its durations).
+    (:func:`device_timings` gives kernels per op and the span too.)"""
     timing = device_timings({"": (many, arg_sets)}, calls)[""]
     if timing is None:
         return None
     if by_kernel is not None:
         for name, seconds in timing.by_kernel.items():
             by_kernel[name] = by_kernel.get(name, 0.0) + seconds
-    if stats is not None:
-        stats["kernels_per_op"] = timing.kernels_per_op
-        if timing.span is not None:
-            stats["span_per_op"] = timing.span
     return timing.seconds
 
 

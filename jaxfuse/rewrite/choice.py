@@ -48,17 +48,18 @@ PROGRAM_MIN_GAIN = 0.03
 # A program whose chains' launch work is this share of their device work or more may be
 # launch-bound (see choose_for_program). The sums leave out the program's other host work,
 # about as large again: ResNet-50 fp32 at batch 8 on an H200 (2026-11-28) took 2.60 ms a call
-# under plain jax.jit for 1.00 ms of device work, its chains' XLA launches measured at 20-34 us
-# each (about 1.2 ms for 53 chains), and 1.28 ms with every chain fused (0.97 ms of device,
-# fused launches of 3.5-8 us each).
+# under plain jax.jit for 1.00 ms of device work, the 15 XLA launches its find step printed
+# measuring 20-34 us each (about 1.2 ms, were all 53 chains' alike), and 1.28 ms with every
+# chain fused (0.97 ms of device; those 15 chains' fused launches 3.5-8 us each).
 # - On an H100 (2026-11-27) ResNet-50 bf16 at batch 8 (launch sum near the device sum) kept
 #   five 3x3 chains on XLA by the margin (14.0 against 13.6 us on the device, 32.2 against
 #   7.8 us of launch work) and ran 1.22 ms a call against 0.90 ms with every chain fused.
-# - On the H200, ResNet-50 fp32 at batch 8 (launch sum about half the device sum) kept 15
+# - On the H200, ResNet-50 fp32 at batch 8 (launch sum about half the device sum, by the
+#   launch work measured for its XLA chains and 3.5-8 us taken for each fused one) kept 15
 #   chains on XLA that were 1-11 us slower fused on the device and 16-26 us cheaper to launch
 #   (while only chains no slower on the device moved), and ran 1.57 ms a call against 1.28 ms
 #   with every chain fused.
-# - At batch 64 and 256 (launch sums an eighth of the device sums or less) the programs of
+# - At batch 64 and 256 (H100, 2026-11-27), where the sums are far apart, the programs of
 #   either choice ran within 3% of each other.
 PROGRAM_LAUNCH_SHARE = 0.3
 
