@@ -14,6 +14,7 @@ from jaxfuse.bench.__main__ import print_table, run_case, same_program
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.roofline import Ceilings
 from jaxfuse.bench.timing import batched, busy_ns, exposed_ns, span_ns, wall_times_interleaved
+from jaxfuse.measure import Timing
 
 
 def test_programs_are_timed_in_turns() -> None:
@@ -145,12 +146,24 @@ def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
                 for name in programs}
 
     monkeypatch.setattr(bench, "device_timings", one_trace)
+    queued: list = []
+
+    def queued_times(functions, arg_sets, device):
+        queued.append(list(functions))
+        return {name: Timing(seconds[name] * 3e-6, 1e-6) for name in functions}
+
+    monkeypatch.setattr(bench, "queued_times", queued_times)
     device = jax.devices("cpu")[0]
     case = BenchCase.for_layer("NA_C1024_H14", 1, "float32", "NHWC", "NA")
     ceilings = Ceilings(copy_bandwidth=1e10, matmul={"float32": 1e11})
     row = run_case(case, device, ceilings, sets=2, repeats=2, device_timing=True)
     assert row["auto_same_program_as"] == "xla"
     assert traced == [["xla", "copy", "fused"]]  # one trace, the auto plan not in it
+    assert queued == [["xla", "fused"]]  # likewise
+    assert row["auto_queued_us"] == row["xla_queued_us"] == 3.0
+    assert row["fused_queued_us"] == 6.0 and row["fused_queued_host_us"] == 1.0
+    assert row["ratio_auto_queued"] == 1.0 and row["ratio_fused_queued"] == 0.5
+    assert row["auto_dispatch_us"] == row["xla_dispatch_us"] > 0
     assert row["auto_device_us"] == row["xla_device_us"] == 1.0
     assert row["ratio_auto_device"] == 1.0 and row["fused_device_us"] == 2.0
     assert row["auto_span_us"] == row["xla_span_us"] == 2.0 and row["fused_span_us"] == 4.0
@@ -158,6 +171,34 @@ def test_a_twin_s_device_time_is_its_twin_s(monkeypatch) -> None:
     table = io.StringIO()
     print_table([row], out=table)
     assert "geomean xla/jaxfuse (span) N=1 float32 NHWC NA: forced 0.50" in table.getvalue()
+    assert "geomean xla/jaxfuse (queued) N=1 float32 NHWC NA: forced 0.50" in table.getvalue()
+
+
+def test_the_host_s_part_of_a_call_is_kept_apart() -> None:
+    """The time until a call returns (its dispatch) is part of its wall time."""
+
+    def slow_dispatch(sets):
+        time.sleep(0.003)
+        return [jnp.asarray(s[0]) for s in sets]
+
+    dispatch: dict[str, float] = {}
+    times = wall_times_interleaved({"a": slow_dispatch}, [(1.0,)], repeats=3, warmup=1,
+                                   dispatch=dispatch)
+    assert 0.003 <= dispatch["a"] <= times["a"]
+
+
+def test_queued_times_run_the_find_step_s_harness_on_each_function() -> None:
+    """On a CPU the harness times wall clock; a function that does not compile gets None."""
+    from jaxfuse.bench.timing import queued_times
+
+    def broken(x):
+        raise TypeError("does not trace")
+
+    sets = [(jnp.arange(8.0) + i,) for i in range(2)]
+    times = queued_times({"double": lambda x: x * 2, "broken": broken}, sets,
+                         jax.devices("cpu")[0])
+    assert times["broken"] is None
+    assert times["double"] is not None and times["double"].device > 0
 
 
 def test_a_case_whose_auto_plan_is_the_forced_kernel_s_program() -> None:

@@ -4,8 +4,10 @@ For every case it prints per-op times (wall: K distinct inputs in one jit, media
 device: GPU kernel time from a profiler trace) of XLA's composition, of jaxfuse's kernel forced
 (``solver="fused"``: what the kernels achieve) and of the plan in auto mode (what users get:
 jaxfuse's own measured choice between the two), both ratios XLA / jaxfuse, the kernel's
-achieved TFLOP/s, and the roofline floor from ceilings measured in the same run; on GPUs
-also the kernel's time as a percentage of a copy of the case's own minimal bytes ("% copy":
+achieved TFLOP/s, and the roofline floor from ceilings measured in the same run. On GPUs it
+also gives the device span and the queued time (``jaxfuse.bench.timing``; the queued time
+comes from the find step's own harness, and issue #11's per-layer bound is judged on it), and
+the kernel's time as a percentage of a copy of the case's own minimal bytes ("% copy":
 what a memory-bound kernel of that size can reach). It checks the results against XLA's on
 the same inputs, writes JSON and plots the ratios. A plan in auto mode that compiles to XLA's
 own program, or to the forced kernel's, is not timed again ("xla=" or "fused=" in the auto
@@ -34,7 +36,7 @@ from ..errors import FusionError
 from .cases import BenchCase
 from .layers import SUITES
 from .roofline import measure_ceilings
-from .timing import batched, device_timings, wall_times_interleaved
+from .timing import batched, device_timings, queued_times, wall_times_interleaved
 
 
 def _progress(items: list[Any], enabled: bool) -> Any:
@@ -68,6 +70,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     }
     reference = unfused(args)[0]
     timed: dict[str, Any] = {"fused": None, "auto": None}
+    functions: dict[str, Any] = {"xla": case.unfused()}  # (one op each: the queued measure)
     texts: dict[str, str | None] = {"xla": xla_text}
     for mode in timed:
         try:
@@ -75,7 +78,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         except FusionError as err:  # the forced kernel cannot be built: say so, go on
             row[f"{mode}_failed"] = str(err).splitlines()[0]
             continue
-        run, texts[mode] = compiled_program(batched(case.fused(plan, ops), chained), args)
+        functions[mode] = case.fused(plan, ops)
+        run, texts[mode] = compiled_program(batched(functions[mode], chained), args)
         timed[mode] = run
         info = plan.kernel_info
         row[f"{mode}_solver"] = " ".join(str(info[k]) for k in ("solver", "tile") if k in info)
@@ -102,11 +106,23 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
                                    if run is not None and not (m == "auto" and twin)}}
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
     statistic = min if device.platform == "cpu" else statistics.median
-    for mode, seconds in wall_times_interleaved(programs, args, repeats,
-                                                statistic=statistic).items():
+    dispatch: dict[str, float] = {}
+    stats_before = _handler_stats() if device_timing else {}
+    for mode, seconds in wall_times_interleaved(programs, args, repeats, _WALL_WARMUP,
+                                                statistic=statistic,
+                                                dispatch=dispatch).items():
         row[f"{mode}_wall_us"] = seconds * 1e6
+        row[f"{mode}_dispatch_us"] = dispatch[mode] * 1e6
+    if stats_before:
+        # jaxfuse's handlers' work during the wall timing, per call of a program of this row
+        # (each was called warm-up + repeats times): a record per call would mean XLA builds
+        # the kernel's command-buffer node anew, loading its module, on every call.
+        calls = len(programs) * (_WALL_WARMUP + repeats)
+        row["wall_handler_per_call"] = {key: (value - stats_before.get(key, 0)) / calls
+                                        for key, value in _handler_stats().items()}
     if twin is not None:
-        row["auto_wall_us"] = row[f"{twin}_wall_us"]
+        for part in ("wall_us", "dispatch_us"):
+            row[f"auto_{part}"] = row[f"{twin}_{part}"]
         row["auto_same_program_as"] = twin
     for mode in timed:
         if f"{mode}_wall_us" in row:
@@ -140,6 +156,9 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
                 if mine.span and row["xla_span_us"]:
                     row[f"{mode}_span_us"] = mine.span * 1e6
                     row[f"ratio_{mode}_span"] = row["xla_span_us"] / row[f"{mode}_span_us"]
+        if not chained:  # (the harness runs its sets side by side)
+            _add_queued(row, queued_times({m: f for m, f in functions.items()
+                                           if m in programs}, args, device), twin)
         # (an auto plan with a twin was not timed: its twin's times, as for the wall clock)
         if twin and row.get(f"{twin}_device_us") and row["xla_device_us"]:
             for part in ("device_us", "kernels_per_op", "span_us"):
@@ -158,6 +177,36 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         row.update(copy_device_us=copy_timing.seconds * 1e6,
                    fused_pct_of_copy=100 * copy_timing.seconds * 1e6 / best)
     return row
+
+
+# Untimed calls of each program before the wall clock's rounds (timing's default).
+_WALL_WARMUP = 3
+
+
+def _handler_stats() -> dict[str, float]:
+    """The GPU backend's counters (records, updates, loads...; empty without the extension's
+    GPU support)."""
+    from .._extension import extension
+
+    try:
+        return dict(extension().gpu_stats())
+    except Exception:
+        return {}
+
+
+def _add_queued(row: dict[str, Any], queued: dict[str, Any], twin: str | None) -> None:
+    """The queued measure's times and ratios into `row` (an auto plan with a twin takes the
+    twin's)."""
+    if twin is not None and queued.get(twin) is not None:
+        queued["auto"] = queued[twin]
+    xla = queued.get("xla")
+    for mode, timing in queued.items():
+        if timing is None or xla is None or not timing.device:
+            continue
+        row[f"{mode}_queued_us"] = timing.device * 1e6
+        row[f"{mode}_queued_host_us"] = timing.host * 1e6
+        if mode != "xla":
+            row[f"ratio_{mode}_queued"] = xla.device / timing.device
 
 
 def compiled_program(fn: Any, args: Any) -> tuple[Any, str | None]:
@@ -206,6 +255,7 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     kind = _kind(rows)
     header = (f"{'case':<46} {'fused kernel':<26} {'fused us':>9} {'xla us':>9} "
               f"{'xla k':>5} {'forced x':>8} {'auto x':>7} {'auto':<6} {'span x':>6} "
+              f"{'queued x':>8} "
               f"{'TFLOP/s':>8} {'floor us':>8} {'err':>8} {'% copy':>6}")
     print(header, file=out)
     nan = float("nan")
@@ -219,11 +269,12 @@ def print_table(rows: list[dict[str, Any]], out: Any = sys.stdout) -> None:
               f"{r.get('xla_kernels_per_op') or nan:5.1f} "
               f"{r.get(f'ratio_fused_{kind}', nan):8.2f} {r.get(f'ratio_auto_{kind}', nan):7.2f} "
               f"{auto:<6} {r.get('ratio_auto_span', nan):6.2f} "
+              f"{r.get('ratio_auto_queued', nan):8.2f} "
               f"{r.get('tflops', nan):8.1f} {r['floor_us']:8.1f} "
               f"{r.get('fused_rel_error_vs_xla', nan):8.1e} "
               f"{r.get('fused_pct_of_copy', nan):6.0f}", file=out)
-    # (device time: the span too, gaps between kernels included, where the trace gave it)
-    measures = [kind, "span"] if kind == "device" else [kind]
+    # (device time: the span and the queued time too, gaps between kernels included)
+    measures = [kind, "span", "queued"] if kind == "device" else [kind]
     for measure in measures:
         groups: dict[tuple[Any, ...], dict[str, list[float]]] = {}
         for r in rows:  # (by suite where the rows name theirs: one run may hold several)

@@ -18,6 +18,14 @@ so the K ops are straight-line code and no input stays cached between them):
   the host has queued the whole program; here a tiny program's gaps may be paced by its
   launches). A composition of several kernels pays a gap before each; the device measure
   leaves them out.
+- queued (GPUs, :func:`queued_times`): the find step's own harness
+  (:class:`jaxfuse.measure.Harness`) on the same functions and inputs: the device is held
+  until the host has queued the whole program, then timed from the program's first kernel to
+  its last. The gaps between kernels count, the pace of the host's launches does not: what a
+  layer costs a network whose host runs ahead of its device. Busy time understates a
+  composition of several kernels (no gaps) and span overstates it where its launches are
+  slow (XLA's 3-5 kernels a chain take 20-50 us of host work at batch 64); on four H200s
+  (2026-11-28) five cases sat below 0.97x by the one and above 1.7x by the other.
 """
 
 from __future__ import annotations
@@ -33,10 +41,10 @@ from typing import Any
 
 import jax
 
-from ..measure import page_faults, quiet_runs
+from ..measure import GPU_REWARM_SECONDS, Harness, Timing, device_timing, page_faults, quiet_runs
 
-__all__ = ["DeviceTiming", "batched", "device_time_per_op", "device_timings", "wall_time_per_op",
-           "wall_times_interleaved"]
+__all__ = ["DeviceTiming", "batched", "device_time_per_op", "device_timings", "queued_times",
+           "wall_time_per_op", "wall_times_interleaved"]
 
 
 def batched(fn: Callable[..., Any], chained: bool = False
@@ -71,8 +79,8 @@ def wall_time_per_op(many: Callable[[Any], Any], arg_sets: Sequence[Sequence[Any
 def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
                            arg_sets: Sequence[Sequence[Any]], repeats: int = 20,
                            warmup: int = 3,
-                           statistic: Callable[[list[float]], float] = statistics.median
-                           ) -> dict[str, float]:
+                           statistic: Callable[[list[float]], float] = statistics.median,
+                           dispatch: dict[str, float] | None = None) -> dict[str, float]:
     """Wall seconds per op of each of `programs` on `arg_sets` (`statistic` of the runs, by
     default the median), timed in turns (one call of each per round). On a 2-core VM
     (2026-11-25) timing XLA's batch-8 NA program in a block of its own gave 3.8-7.4 ms per op
@@ -88,11 +96,15 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
     optimized HLO (an auto-mode plan that runs XLA's composition, and XLA's composition) came
     out up to 2x apart on that VM (2026-11-26, NA_C256 fp32 batch 8: 8.7 against 4.1 ms), as
     every run of either faulted by turns: the CPU benchmark passes ``statistic=min``, each
-    program's least disturbed run."""
+    program's least disturbed run.
+
+    `dispatch`, if given, receives each program's median seconds per op until its call
+    returned, before the wait for its results: the host's part of the wall time."""
     for _ in range(warmup):
         for many in programs.values():
             jax.block_until_ready(many(arg_sets))
     times: dict[str, list[float]] = {name: [] for name in programs}
+    returned: dict[str, list[float]] = {name: [] for name in programs}
     faults: dict[str, list[int]] = {name: [] for name in programs}
     names = list(programs)
     for round_ in range(repeats):
@@ -100,9 +112,15 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
             name = names[(round_ + i) % len(names)]
             faults_before = page_faults()
             start = time.perf_counter()
-            jax.block_until_ready(programs[name](arg_sets))
+            out = programs[name](arg_sets)
+            returned[name].append(time.perf_counter() - start)
+            jax.block_until_ready(out)
             times[name].append(time.perf_counter() - start)
             faults[name].append(page_faults() - faults_before)
+            del out
+    if dispatch is not None:
+        dispatch.update({name: statistics.median(r) / len(arg_sets)
+                         for name, r in returned.items()})
     return {name: statistic(quiet_runs(t, faults[name])) / len(arg_sets)
             for name, t in times.items()}
 
@@ -157,6 +175,32 @@ def device_timings(programs: dict[str, tuple[Callable[[Any], Any], Sequence[Sequ
         timing = _timing(mine, len(arg_sets), calls) if mine else None
         result[name] = (dataclasses.replace(timing, shared=len(programs) > 1)
                         if timing else None)
+    return result
+
+
+def queued_times(functions: dict[str, Callable[..., Any]], arg_sets: Sequence[Sequence[Any]],
+                 device: Any, windows: int = 2) -> dict[str, Timing | None]:
+    """Per op, each function's queued device time and its host (launch) time on `arg_sets`,
+    through the find step's harness (see the module docstring); None for a function whose
+    program does not compile. Windows alternate the order, and each function keeps its lower
+    times, as the find step's second window does; they hold the process's device-timing lock.
+    GPUs only (on CPUs the harness times wall clock)."""
+    result: dict[str, Timing | None] = {}
+    with device_timing():
+        harnesses: dict[str, Harness] = {}
+        for name, fn in functions.items():
+            try:  # (the harness appends the runtime scalars, which these functions close over)
+                harnesses[name] = Harness.compile(lambda *a, f=fn: f(*a[:-1]), arg_sets, device)
+            except Exception:
+                result[name] = None
+        order = list(harnesses)
+        for window in range(windows):
+            for name in order if window % 2 == 0 else order[::-1]:
+                warm_up = {"warm_up": GPU_REWARM_SECONDS} if window else {}
+                timing = harnesses[name].run(**warm_up)[1]
+                best = result.get(name)
+                result[name] = timing if best is None else Timing(
+                    min(best.device, timing.device), min(best.host, timing.host))
     return result
 
 

@@ -1,0 +1,73 @@
+"""Summarize a GPU sweep's layer rows (``python -m jaxfuse.bench --json`` files) as markdown.
+
+One line per (suite, dtype, layout): the cases at each batch and the geomean (min) of the
+forced and auto ratios by one measure (device by default), then every case below a bound.
+
+    python scripts/sweep_table.py benchmarks/results/s24_call*/gpu*/gpu*/layers_*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def geomean_min(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = math.exp(sum(math.log(v) for v in values) / len(values))
+    return f"{mean:.2f} ({min(values):.2f})"
+
+
+def load(paths: list[Path]) -> list[dict[str, Any]]:
+    return [row for path in paths for row in json.loads(path.read_text())["rows"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--measure", default="device", help="device, span, queued or wall")
+    parser.add_argument("--bound", type=float, default=0.97)
+    args = parser.parse_args()
+    rows = load(args.files)
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[(row.get("suite", "?"), row["dtype"], row["layout"])].append(row)
+    batches = sorted({row["n"] for row in rows})
+    print(f"{len(rows)} cases; XLA / jaxfuse by {args.measure} time, batch "
+          + " / ".join(map(str, batches)) + "\n")
+    print("| suite | dtype | layout | cases | forced geomean (min) | auto geomean (min) |")
+    print("|---|---|---|---|---|---|")
+    for (suite, dtype, layout), members in sorted(groups.items()):
+        counts, forced, auto = [], [], []
+        for n in batches:
+            at_n = [r for r in members if r["n"] == n]
+            counts.append(str(len(at_n)))
+            for mode, out in (("fused", forced), ("auto", auto)):
+                out.append(geomean_min([r[f"ratio_{mode}_{args.measure}"] for r in at_n
+                                        if r.get(f"ratio_{mode}_{args.measure}")]))
+        print(f"| {suite} | {_SHORT.get(dtype, dtype)} | {layout} | {' / '.join(counts)} | "
+              f"{' / '.join(forced)} | {' / '.join(auto)} |")
+    below = [r for r in rows
+             if (r.get(f"ratio_auto_{args.measure}") or math.inf) < args.bound]
+    missing = [r for r in rows if not r.get(f"ratio_auto_{args.measure}")]
+    print(f"\n{len(below)} below {args.bound} by {args.measure} time; "
+          f"{len(missing)} without that measure")
+    for r in sorted(below, key=lambda r: r[f"ratio_auto_{args.measure}"]):
+        others = " ".join(f"{m} {r[f'ratio_auto_{m}']:.2f}"
+                          for m in ("device", "span", "queued", "wall")
+                          if m != args.measure and r.get(f"ratio_auto_{m}"))
+        print(f"- {r['case']} ({r['auto_solver']}): {r[f'ratio_auto_{args.measure}']:.3f}; "
+              f"{others}; find step xla / fused "
+              + " / ".join(f"{r.get('auto_candidates_device_us', {}).get(k, math.nan):.1f}"
+                           for k in ("xla", "fused")) + " us")
+
+
+if __name__ == "__main__":
+    main()
