@@ -1,7 +1,9 @@
 # Sourced by scripts/gpu_session.sh and scripts/gpu_parallel.sh: one run each, its logs and
 # JSON under $OUT, its table printed, within the seconds it is given.
-#   layer_run SUITE:DTYPE:LAYOUT:BATCHES SECONDS   (python -m jaxfuse.bench; LAYER_MATCH;
-#                                                   SUITE and DTYPE may be lists: a,b)
+#   layer_run SUITE:DTYPE:LAYOUT:BATCHES[:REGEX] SECONDS
+#                                                  (python -m jaxfuse.bench; SUITE and DTYPE
+#                                                   may be lists: a,b; REGEX, or else
+#                                                   LAYER_MATCH, picks layers by name)
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
@@ -12,15 +14,18 @@
 # tell a slow step from a stuck one).
 
 layer_run() {
-  local suite dtype layout batches start tag rc
-  IFS=: read -r suite dtype layout batches <<< "$1"
+  local suite dtype layout batches match start tag rc
+  IFS=: read -r suite dtype layout batches match <<< "$1"
   tag="${suite//,/-}_${dtype//,/-}_${layout}_${batches//,/_}"
+  # (an item's own REGEX names its files apart from the whole suite's)
+  [[ -n $match ]] && tag+="_m$(md5sum <<< "$match" | cut -c1-6)"
+  match=${match:-${LAYER_MATCH:-}}
   start=$(date +%s)
   # (suites and dtypes may be comma-separated lists: one process, one start-up, for all)
   # shellcheck disable=SC2086
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
     $py -m jaxfuse.bench --suite ${suite//,/ } --batch ${batches//,/ } \
-    --dtype ${dtype//,/ } --layout "$layout" ${LAYER_MATCH:+--layers "$LAYER_MATCH"} \
+    --dtype ${dtype//,/ } --layout "$layout" ${match:+--layers "$match"} \
     --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
   rc=$?
   echo "$1 exit $rc in $(( $(date +%s) - start )) s"
