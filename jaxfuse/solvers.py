@@ -125,6 +125,14 @@ def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
 # layers gather fast, and their input may be larger than their output): both are measured
 # (jaxfuse.find.fastest_form).
 _NHWC_FORM_MIN_PIXELS = 2048
+# fp32 NCHW plans: the TF32 kernels read NHWC activations and K-major filters (OHWI, or a 1x1
+# layer's own OIHW), so their form transposes both. The plans' own kernel (conv_igemm, NCHW)
+# ran ResNet-50's 3x3 layers at 0.16-0.51x XLA on four H200s (2026-11-28), where the NHWC
+# plans' TF32 kernels ran 1.17-2.12x; with the transposes at copy speed the form should gain
+# about 1.2x on 10 of its 23 layers at batch 1. Not yet run on a GPU: offered only with
+# JAXFUSE_TF32_NCHW_FORM=1 until the GPU tests and a sweep have (the find step keeps it only
+# where it agrees with the plan's own kernel and is faster).
+_TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
 
 
 def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
@@ -173,17 +181,26 @@ def _filter_permutation(source: str, target: str) -> tuple[int, ...]:
 
 def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None, str | None]]:
     """The (filters, input layout) forms worth compiling for `signature` on `device` besides
-    its own, see above: NCHW 16-bit plans with a convolution on Hopper that the kernels which
-    write the form take (64-channel groups, or a few-channel stem), with enough output pixels
-    that the transpose is a small part of the call."""
+    its own, see above: NCHW plans with a convolution on Hopper that the kernels which write
+    the form take (16-bit: 64-channel groups, or a few-channel stem; fp32 through TF32, where
+    switched on: 32-channel groups), with enough output pixels that the transposes are a
+    small part of the call."""
     c = signature.conv
-    if (c is None or device.platform.lower() == "cpu" or signature.dtype == np.float32
+    if (c is None or device.platform.lower() == "cpu"
             or signature.layout != "NCHW" or signature.filter_dtype != signature.dtype
             or os.environ.get("JAXFUSE_NHWC_FORM") == "0"
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return []
     _, p, q = signature.output_chw
     per_group = signature.channels // c.groups
+    if signature.dtype == np.float32:
+        if (os.environ.get(_TF32_FORM_VARIABLE) != "1" or not c.allow_tf32
+                or os.environ.get("JAXFUSE_TF32_KERNELS") == "0"
+                or per_group % _TF32_K_TILE != 0
+                or signature.batch * p * q < _NHWC_FORM_MIN_PIXELS):
+            return []
+        one_tap = c.filter_h == c.filter_w == 1
+        return [("OIHW" if one_tap and c.filter_layout == "OIHW" else "OHWI", "NHWC")]
     # (csrc/gpu/codegen.cc: WgmmaApplies' 64-channel k-tiles, StemApplies' few channels)
     tensor_cores = per_group % 64 == 0 or (signature.channels <= 4 and c.groups == 1
                                            and c.dilation == (1, 1))

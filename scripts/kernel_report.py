@@ -5,6 +5,10 @@ counted (tensor-core, bulk-copy, local-memory and 16-byte memory instructions).
     python scripts/kernel_report.py --ops CBNA --dtype bfloat16 --c 64 --k 256 --n 64 --hw 56 --r 1
     python scripts/kernel_report.py --suite resnet50 --n 64      # every layer of a bench suite
     python scripts/kernel_report.py --suite mobilenet --layout NCHW --dtype float16 --n 64 --only dw
+    python scripts/kernel_report.py --suite resnet50_net --layout NCHW --dtype float32 --form
+
+(`--form`: the kernels of NCHW plans' NHWC form, jaxfuse.solvers.kernel_forms, whatever the
+variables that switch forms on or off say.)
 
 Needs nvcc from a CUDA toolkit ($CUDA_HOME, else /usr/local/cuda) and cuobjdump (the
 toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
@@ -50,8 +54,15 @@ OPCODES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "UTMALDG": "TMA loads", "LDGSTS
            "LDG.E.128": "16B loads", "BAR.SYNC": "barriers", "SYNCS": "mbarrier ops"}
 
 
-def report(case: Case, arch: str) -> None:
-    encoded = case.build()[0].signature.encode()
+def report(case: Case, arch: str, form: bool = False) -> None:
+    signature = case.build()[0].signature
+    if form:  # (the filters kernel_forms gives: TF32 reads them K-major)
+        from jaxfuse.solvers import kernel_signature
+
+        one_tap = case.r * case.s == 1 and case.filter_layout == "OIHW"
+        filters = "HWIO" if case.dtype != "float32" else "OIHW" if one_tap else "OHWI"
+        signature = kernel_signature(signature, filters, "NHWC")
+    encoded = signature.encode()
     count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
     print(f"== {case}  ({count} variants)")
     for variant in range(count):
@@ -108,6 +119,8 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=3)
     parser.add_argument("--stride", type=int, default=1)
     parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--form", action="store_true",
+                        help="the NHWC form of NCHW plans (NHWC input, NCHW output)")
     opts = parser.parse_args()
     filter_layout = opts.filter_layout or ("HWIO" if opts.layout == "NHWC" else "OIHW")
     if opts.suite:
@@ -121,7 +134,7 @@ def main() -> None:
                       w=opts.hw, r=opts.r, s=opts.r, strides=(opts.stride,) * 2,
                       padding=((pad, pad),) * 2)]
     for case in cases:
-        report(case, opts.arch)
+        report(case, opts.arch, opts.form)
 
 
 if __name__ == "__main__":

@@ -615,6 +615,34 @@ def test_the_nhwc_form_of_nchw_plans_is_correct(tmp_path, forced: str) -> None:
     _run_ok_child(_NHWC_FORM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced)
 
 
+# fp32 NCHW plans in their TF32 NHWC form (JAXFUSE_TF32_NCHW_FORM=1: K-major filters, OHWI
+# or a 1x1 layer's own OIHW), forced as above: partial tiles, stride 2 with a side input, 1x1
+# with per-activation batch norm, clipped relu.
+_TF32_FORM_CHILD = _NHWC_FORM_CHILD.split("cases = [")[0] + textwrap.dedent("""\
+    NCHW32 = dict(NCHW, dtype="float32")
+    cases = [
+        Case(ops="CBNA", c=64, k=64, n=2, h=34, w=33, **NCHW32),
+        Case(ops="CBNSA", c=128, k=96, n=4, h=46, w=45, strides=(2, 2), padding="SAME",
+             **NCHW32),
+        Case(ops="CNA", c=256, k=64, n=8, h=17, w=17, r=1, s=1, padding="VALID",
+             bn_mode="per_activation", **NCHW32),
+        Case(ops="CBNSA", c=64, k=128, n=3, h=30, w=31, bn_mode="per_activation",
+             activation="clipped_relu", **NCHW32),
+    ]
+    run_forced_cases(cases, gpu, lambda info: (
+        info.get("input_layout", "").startswith("NHWC")
+        and info["solver"] in ("conv_tma", "conv_wgmma")))
+    run_case_with_infinities(cases[0], gpu)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("forced", ["conv_tma", "conv_wgmma"])
+def test_the_tf32_nhwc_form_of_fp32_nchw_plans_is_correct(tmp_path, forced: str) -> None:
+    _run_ok_child(_TF32_FORM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced,
+                  JAXFUSE_TF32_NCHW_FORM="1")
+
+
 def test_the_warp_specialized_kernel_is_correct(tmp_path) -> None:
     _run_ok_child(_TMA_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT="conv_tma")
 

@@ -626,3 +626,24 @@ def test_the_nhwc_form_compiles_every_variant(case: Case) -> None:
     encoded = kernel_signature(case.build()[0].signature, "HWIO", "NHWC").encode()
     solvers = {out["solver"] for out in _sm90_variants(encoded)}
     assert solvers and solvers <= {"conv_tma", "conv_wgmma", "conv_stem"}, solvers
+
+
+# ... and of fp32 NCHW plans through TF32 (kernel_forms with JAXFUSE_TF32_NCHW_FORM=1): K-major
+# filters, OHWI (or a 1x1 layer's own OIHW); every sm_90 variant compiles, all of them kernels
+# that write NCHW from NHWC input, none spilling.
+@pytest.mark.parametrize("case, filters", [
+    (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=256, k=256, n=8,
+          h=14, w=14), "OHWI"),
+    (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=128, k=128, n=8,
+          h=56, w=56, strides=(2, 2), padding=((1, 1), (1, 1))), "OHWI"),
+    (Case(ops="CBNSA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=512, k=2048, n=4,
+          h=7, w=7, r=1, s=1, padding="VALID"), "OIHW"),
+    (Case(ops="CBN", dtype="float32", layout="NCHW", filter_layout="OIHW", c=64, k=256, n=1,
+          h=56, w=56, r=1, s=1, padding="VALID", bn_mode="per_activation"), "OIHW"),
+], ids=str)
+def test_the_tf32_nhwc_form_compiles_every_variant(case: Case, filters: str) -> None:
+    from jaxfuse.solvers import kernel_signature
+    encoded = kernel_signature(case.build()[0].signature, filters, "NHWC").encode()
+    outs = _sm90_variants(encoded)
+    assert {out["solver"] for out in outs} <= {"conv_tma", "conv_wgmma"}
+    assert len(outs) > 1

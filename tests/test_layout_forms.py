@@ -45,13 +45,41 @@ def _operands(signature, seed: int = 0) -> list:
     (BIG, AMPERE, False),  # the kernels that write NCHW from NHWC input are Hopper's
     (BIG, CPU, False),
     (dataclasses.replace(BIG, n=1), HOPPER, False),  # 1024 pixels
-    (dataclasses.replace(BIG, dtype="float32"), HOPPER, False),  # TF32 kernels: NHWC only
+    (dataclasses.replace(BIG, dtype="float32"), HOPPER, False),  # TF32: switched off
     (dataclasses.replace(BIG, layout="NHWC", filter_layout="HWIO"), HOPPER, False),
     (dataclasses.replace(BIG, ops="BNA", k=None), HOPPER, False),  # no convolution
 ])
 def test_which_plans_get_the_nhwc_form(case: Case, target, offered: bool) -> None:
     forms = solvers.kernel_forms(_signature(case), target)
     assert forms == ([("HWIO", "NHWC")] if offered else [])
+
+
+@pytest.mark.parametrize("case, form", [
+    (dataclasses.replace(BIG, dtype="float32"), [("OHWI", "NHWC")]),  # K-major for TF32
+    (dataclasses.replace(BIG, dtype="float32", r=1, s=1, padding="VALID"), [("OIHW", "NHWC")]),
+    (dataclasses.replace(BIG, dtype="float32", precision="highest"), []),  # no TF32
+    (dataclasses.replace(BIG, dtype="float32", c=48, k=48), []),  # 32-channel k-tiles
+    (dataclasses.replace(BIG, dtype="float32", n=1), []),  # 1024 pixels
+])
+def test_fp32_plans_get_the_tf32_form_where_switched_on(monkeypatch, case: Case, form) -> None:
+    monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "1")
+    assert solvers.kernel_forms(_signature(case), HOPPER) == form
+    assert solvers.kernel_forms(_signature(case), AMPERE) == []
+    monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "0")
+    assert solvers.kernel_forms(_signature(case), HOPPER) == []
+
+
+def test_a_1x1_tf32_form_reads_the_plan_s_own_filters(monkeypatch) -> None:
+    """OIHW filters of one tap are K-major already: the form transposes the input alone."""
+    monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "1")
+    monkeypatch.setattr(solvers, "_prepare", lambda sig, device: solvers.FusedKernel(
+        "conv_tma" if sig.layout == "NHWC" else "conv_igemm"))
+    for case, filters in [(dataclasses.replace(BIG, dtype="float32", r=1, s=1,
+                                               padding="VALID"), None),
+                          (dataclasses.replace(BIG, dtype="float32"), "OHWI")]:
+        kernels = solvers.prepare_forms(_signature(case), HOPPER)
+        assert [(k.solver, k.input_layout, k.filters) for k in kernels] == \
+            [("conv_igemm", None, None), ("conv_tma", "NHWC", filters)]
 
 
 def test_no_nhwc_form_when_switched_off(monkeypatch) -> None:

@@ -400,10 +400,9 @@ bool WgmmaApplies(const PlanSpec& spec, const DeviceInfo& device) {
   const bool dtype_ok = spec.dtype != DType::kF32 || spec.layout == Layout::kNHWC;
   const bool filters_ok = !spec.wide_filters() || (spec.layout == Layout::kNHWC &&
                                                    g.filter_layout != FilterLayout::kOIHW);
-  // An output layout of its own (a kernel form of NCHW plans): NHWC input, 16-bit, whose
-  // epilogue writes NCHW planes (implicit_gemm.h: store_chunk_planes).
-  const bool layouts_ok = !spec.mixed_layouts() ||
-                          (spec.layout == Layout::kNHWC && spec.dtype != DType::kF32);
+  // An output layout of its own (a kernel form of NCHW plans): NHWC input, whose epilogue
+  // writes NCHW planes (implicit_gemm.h: store_chunk_planes, any dtype).
+  const bool layouts_ok = !spec.mixed_layouts() || spec.layout == Layout::kNHWC;
   return IgemmShapeApplies(spec, device) && dtype_ok && filters_ok && layouts_ok &&
          device.arch == "sm_90" &&
          (spec.c / g.groups) % HopperKTile(spec) == 0;
