@@ -12,7 +12,8 @@
 #       next call's queue. A GPU's logs and JSON come back as $OUT/gpu<i>.tgz.
 #
 #   QUEUE_FILE=benchmarks/sweeps/issue11.queue bash scripts/gpu_parallel.sh   (the same, the
-#       items from a file: a command line holds 2000 characters)
+#       items from a file: a command line holds 2000 characters). An item written
+#       VAR=value[,VAR=value]@item runs with those variables set (its files named apart).
 #
 #   SECTIONS_0="layers" LAYER_RUNS_0="..." SECTIONS_1="layers models" MODEL_RUNS_1="..." \
 #     bash scripts/gpu_parallel.sh [cache]
@@ -50,12 +51,21 @@ queue_worker() {
     [[ -n $item ]] || return 0
     left=$(( deadline - $(date +%s) ))
     if (( left <= 30 )); then echo "left: $item" >> "$leftovers"; continue; fi
-    case ${item%%:*} in
-      layers) layer_run "${item#*:}" "$left" ;;
-      models) model_run "${item#*:}" "$left" ;;
-      tests) tests_run "${item#*:}" "$left" ;;
-      *) echo "unknown queue item: $item"; continue ;;
-    esac
+    (
+      # VAR=value[,VAR=value]@item: the item runs with those variables, its files named apart.
+      work=$item
+      if [[ $work == *@* ]]; then
+        settings=${work%%@*} work=${work#*@}
+        # shellcheck disable=SC2086
+        export ${settings//,/ } ITEM_TAG="_e$(md5sum <<< "$settings" | cut -c1-6)"
+      fi
+      case ${work%%:*} in
+        layers) layer_run "${work#*:}" "$left" ;;
+        models) model_run "${work#*:}" "$left" ;;
+        tests) tests_run "${work#*:}" "$left" ;;
+        *) echo "unknown queue item: $item"; exit 2 ;;
+      esac
+    )
     (( $? == 124 )) && echo "cut: $item" >> "$leftovers"
   done
 }

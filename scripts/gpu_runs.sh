@@ -19,6 +19,7 @@ layer_run() {
   tag="${suite//,/-}_${dtype//,/-}_${layout}_${batches//,/_}"
   # (an item's own REGEX names its files apart from the whole suite's)
   [[ -n $match ]] && tag+="_m$(md5sum <<< "$match" | cut -c1-6)"
+  tag+=${ITEM_TAG:-}  # (an item run with variables of its own: gpu_parallel.sh)
   match=${match:-${LAYER_MATCH:-}}
   start=$(date +%s)
   # (suites and dtypes may be comma-separated lists: one process, one start-up, for all)
@@ -42,7 +43,7 @@ model_run() {
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
     $py -m jaxfuse.bench.end_to_end --model "$model" --dtype "$dtype" \
     --batch ${batches//,/ } --solver ${MODEL_SOLVERS:-auto fused} \
-    --json "$OUT/models_${model}_${dtype}.json" \
+    --json "$OUT/models_${model}_${dtype}${ITEM_TAG:-}.json" \
     >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
   rc=$?
   echo "$1 exit $rc in $(( $(date +%s) - start )) s"
