@@ -113,13 +113,15 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
                                                 dispatch=dispatch).items():
         row[f"{mode}_wall_us"] = seconds * 1e6
         row[f"{mode}_dispatch_us"] = dispatch[mode] * 1e6
-    if stats_before:
-        # jaxfuse's handlers' work during the wall timing, per call of a program of this row
-        # (each was called warm-up + repeats times): a record per call would mean XLA builds
-        # the kernel's command-buffer node anew, loading its module, on every call.
-        calls = len(programs) * (_WALL_WARMUP + repeats)
-        row["wall_handler_per_call"] = {key: (value - stats_before.get(key, 0)) / calls
-                                        for key, value in _handler_stats().items()}
+    fused_programs = [mode for mode in programs if mode != "xla"]
+    if stats_before and fused_programs:
+        # jaxfuse's handlers' work during the wall timing, per op of the programs that run
+        # jaxfuse's kernels (each called warm-up + repeats times): a record (creation) per op
+        # would mean XLA builds the kernel's command-buffer node anew, loading its module,
+        # on every call.
+        ops = len(fused_programs) * (_WALL_WARMUP + repeats) * len(args)
+        row["wall_handler_per_op"] = {key: (value - stats_before.get(key, 0)) / ops
+                                      for key, value in _handler_stats().items()}
     if twin is not None:
         for part in ("wall_us", "dispatch_us"):
             row[f"auto_{part}"] = row[f"{twin}_{part}"]
