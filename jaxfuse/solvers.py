@@ -129,9 +129,9 @@ _NHWC_FORM_MIN_PIXELS = 2048
 # layer's own OIHW), so their form transposes both. The plans' own kernel (conv_igemm, NCHW)
 # ran ResNet-50's 3x3 layers at 0.16-0.51x XLA on four H200s (2026-11-28), where the NHWC
 # plans' TF32 kernels ran 0.96-2.12x; with the transposes at copy speed the form should gain
-# about 1.2x on 10 of its 23 layers at batch 1. Not yet run on a GPU: offered only with
-# JAXFUSE_TF32_NCHW_FORM=1 until the GPU tests and a sweep have (the find step keeps it only
-# where it agrees with the plan's own kernel and is faster).
+# about 1.2x on 10 of its 23 layers at batch 1. Offered only with JAXFUSE_TF32_NCHW_FORM=1
+# until a sweep has measured it (its GPU tests passed on an H200, 2026-11-28); the find step
+# keeps it only where it agrees with the plan's own kernel and is faster.
 _TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
 
 

@@ -56,8 +56,13 @@ queue_worker() {
       work=$item
       if [[ $work == *@* ]]; then
         settings=${work%%@*} work=${work#*@}
-        # shellcheck disable=SC2086
-        export ${settings//,/ } ITEM_TAG="_e$(md5sum <<< "$settings" | cut -c1-6)"
+        name='[A-Za-z_][A-Za-z0-9_]*=[^,]*'
+        if [[ ! $settings =~ ^$name(,$name)*$ ]]; then
+          echo "bad queue item (VAR=value[,VAR=value]@item): $item"; exit 2
+        fi
+        IFS=, read -ra assignments <<< "$settings"
+        export "${assignments[@]}" ITEM_SETTINGS="$settings" \
+          ITEM_TAG="_e$(md5sum <<< "$settings" | cut -c1-6)"
       fi
       case ${work%%:*} in
         layers) layer_run "${work#*:}" "$left" ;;

@@ -29,7 +29,7 @@ layer_run() {
     --dtype ${dtype//,/ } --layout "$layout" ${match:+--layers "$match"} \
     --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
   rc=$?
-  echo "$1 exit $rc in $(( $(date +%s) - start )) s"
+  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
   grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
   return $rc
 }
@@ -46,7 +46,7 @@ model_run() {
     --json "$OUT/models_${model}_${dtype}${ITEM_TAG:-}.json" \
     >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
   rc=$?
-  echo "$1 exit $rc in $(( $(date +%s) - start )) s"
+  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
   return $rc
 }
 
@@ -65,7 +65,7 @@ capped() {
 tests_run() {
   local start rc log
   start=$(date +%s)
-  log="$OUT/tests_$(tr -c 'A-Za-z0-9_' _ <<< "$1" | cut -c1-40).log"
+  log="$OUT/tests_$(tr -c 'A-Za-z0-9_' _ <<< "$1" | cut -c1-40)${ITEM_TAG:-}.log"
   # (autotuning has tests of its own, and every variant a forced-variant test)
   local select=(-k "${1//,/ or }")
   [[ $1 == all ]] && select=()
@@ -73,7 +73,7 @@ tests_run() {
     -n "${TESTS_WORKERS:-4}" \
     "${select[@]}" > "$log" 2>&1
   rc=$?
-  echo "tests '$1' exit $rc in $(( $(date +%s) - start )) s"
+  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}tests '$1' exit $rc in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|FAILED|Error" "$log" | tail -15
   return $rc
 }

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,12 +57,16 @@ OPCODES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "UTMALDG": "TMA loads", "LDGSTS
 
 def report(case: Case, arch: str, form: bool = False) -> None:
     signature = case.build()[0].signature
-    if form:  # (the filters kernel_forms gives: TF32 reads them K-major)
-        from jaxfuse.solvers import kernel_signature
+    if form:  # the form jaxfuse.solvers.kernel_forms offers on Hopper, its fp32 one switched on
+        from jaxfuse import solvers
 
-        one_tap = case.r * case.s == 1 and case.filter_layout == "OIHW"
-        filters = "HWIO" if case.dtype != "float32" else "OIHW" if one_tap else "OHWI"
-        signature = kernel_signature(signature, filters, "NHWC")
+        os.environ["JAXFUSE_TF32_NCHW_FORM"] = "1"
+        hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
+        forms = solvers.kernel_forms(signature, hopper)
+        if not forms:
+            print(f"== {case}: no NHWC form offered")
+            return
+        signature = solvers.kernel_signature(signature, *forms[0])
     encoded = signature.encode()
     count = extension().gpu_compile_only("CUDA", encoded, arch)["variants"]
     print(f"== {case}  ({count} variants)")
@@ -122,6 +127,8 @@ def main() -> None:
     parser.add_argument("--form", action="store_true",
                         help="the NHWC form of NCHW plans (NHWC input, NCHW output)")
     opts = parser.parse_args()
+    if opts.form and opts.layout != "NCHW":
+        parser.error("--form: the NHWC form is of NCHW plans (--layout NCHW)")
     filter_layout = opts.filter_layout or ("HWIO" if opts.layout == "NHWC" else "OIHW")
     if opts.suite:
         cases = [dataclasses.replace(layer_case(layer, dtype=opts.dtype, layout=opts.layout,

@@ -1,7 +1,9 @@
 """Summarize a GPU sweep's layer rows (``python -m jaxfuse.bench --json`` files) as markdown.
 
-One line per (suite, dtype, layout): the cases at each batch and the geomean (min) of the
-forced and auto ratios by one measure (device by default), then every case below a bound.
+One line per (suite, dtype, layout, run variant): the cases at each batch and the geomean
+(min) of the forced and auto ratios by one measure (device by default), then every case below
+a bound. A run variant is a queue item's own variables or layers (the files' ``_e``/``_m``
+tags, scripts/gpu_parallel.sh), so a suite run with and without a variable is not mixed.
 
     python scripts/sweep_table.py benchmarks/results/s24_call*/gpu*/gpu*/layers_*.json
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def geomean_min(values: list[float]) -> str:
+    """"geomean (min)" of `values`, "-" without any."""
     if not values:
         return "-"
     mean = math.exp(sum(math.log(v) for v in values) / len(values))
@@ -26,25 +30,33 @@ def geomean_min(values: list[float]) -> str:
 
 
 def load(paths: list[Path]) -> list[dict[str, Any]]:
-    return [row for path in paths for row in json.loads(path.read_text())["rows"]]
+    """Every row of `paths`, each with its file's run variant ("" for a plain item's)."""
+    rows = []
+    for path in paths:
+        variant = "".join(re.findall(r"_([em][0-9a-f]{6})", path.stem))
+        rows += [{**row, "variant": variant} for row in json.loads(path.read_text())["rows"]]
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
-    parser.add_argument("--measure", default="device", help="device, span, queued or wall")
+    parser.add_argument("--measure", default="device",
+                        choices=["device", "span", "queued", "wall"])
     parser.add_argument("--bound", type=float, default=0.97)
     args = parser.parse_args()
     rows = load(args.files)
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
-        groups[(row.get("suite", "?"), row["dtype"], row["layout"])].append(row)
+        groups[(row.get("suite", "?"), row["dtype"], row["layout"], row["variant"])].append(row)
     batches = sorted({row["n"] for row in rows})
     print(f"{len(rows)} cases; XLA / jaxfuse by {args.measure} time, batch "
           + " / ".join(map(str, batches)) + "\n")
     print("| suite | dtype | layout | cases | forced geomean (min) | auto geomean (min) |")
     print("|---|---|---|---|---|---|")
-    for (suite, dtype, layout), members in sorted(groups.items()):
+    for (suite, dtype, layout, variant), members in sorted(groups.items()):
+        if variant:
+            layout += f" ({variant})"
         counts, forced, auto = [], [], []
         for n in batches:
             at_n = [r for r in members if r["n"] == n]
@@ -63,7 +75,8 @@ def main() -> None:
         others = " ".join(f"{m} {r[f'ratio_auto_{m}']:.2f}"
                           for m in ("device", "span", "queued", "wall")
                           if m != args.measure and r.get(f"ratio_auto_{m}"))
-        print(f"- {r['case']} ({r['auto_solver']}): {r[f'ratio_auto_{args.measure}']:.3f}; "
+        tag = f" [{r['variant']}]" if r["variant"] else ""
+        print(f"- {r['case']}{tag} ({r['auto_solver']}): {r[f'ratio_auto_{args.measure}']:.3f}; "
               f"{others}; find step xla / fused "
               + " / ".join(f"{r.get('auto_candidates_device_us', {}).get(k, math.nan):.1f}"
                            for k in ("xla", "fused")) + " us")

@@ -384,3 +384,24 @@ def test_a_program_without_a_device_time_leaves_its_columns_out(monkeypatch, mis
     assert ("ratio_fused_device" in row) == (missing not in ("xla", "fused"))
     assert ("copy_device_us" in row) == (missing != "copy")  # (else against the wall time)
     assert row["device_trace_shared"] == (missing != "xla")
+
+
+def test_a_queued_measurement_that_fails_costs_only_its_own_numbers(monkeypatch) -> None:
+    """A harness that raises while running (out of memory, say) leaves that function's time
+    None; the others are timed, and the sweep goes on."""
+    from jaxfuse.bench import timing
+
+    run = timing.Harness.run
+
+    def failing_run(self, *args, **kwargs):
+        if self.sets[0][0].shape == (3,):
+            raise RuntimeError("RESOURCE_EXHAUSTED")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(timing.Harness, "run", failing_run)
+    times = timing.queued_times({"ok": lambda x: x * 2}, [(jnp.arange(4.0),)],
+                                jax.devices("cpu")[0])
+    assert times["ok"] is not None
+    times = timing.queued_times({"bad": lambda x: x * 2}, [(jnp.arange(3.0),)],
+                                jax.devices("cpu")[0])
+    assert times == {"bad": None}

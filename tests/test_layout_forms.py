@@ -49,7 +49,8 @@ def _operands(signature, seed: int = 0) -> list:
     (dataclasses.replace(BIG, layout="NHWC", filter_layout="HWIO"), HOPPER, False),
     (dataclasses.replace(BIG, ops="BNA", k=None), HOPPER, False),  # no convolution
 ])
-def test_which_plans_get_the_nhwc_form(case: Case, target, offered: bool) -> None:
+def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered: bool) -> None:
+    monkeypatch.delenv("JAXFUSE_TF32_NCHW_FORM", raising=False)  # (as by default)
     forms = solvers.kernel_forms(_signature(case), target)
     assert forms == ([("HWIO", "NHWC")] if offered else [])
 

@@ -26,6 +26,7 @@ import math
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from ..errors import FusionError
+from ..measure import Timing
 from .cases import BenchCase
 from .layers import SUITES
 from .roofline import measure_ceilings
@@ -70,7 +72,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     }
     reference = unfused(args)[0]
     timed: dict[str, Any] = {"fused": None, "auto": None}
-    functions: dict[str, Any] = {"xla": case.unfused()}  # (one op each: the queued measure)
+    # (one op each, for the queued measure)
+    functions: dict[str, Callable[..., Any]] = {"xla": case.unfused()}
     texts: dict[str, str | None] = {"xla": xla_text}
     for mode in timed:
         try:
@@ -107,19 +110,25 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     # (CPUs: each program's fastest run; identical programs' medians part by up to 2x there.)
     statistic = min if device.platform == "cpu" else statistics.median
     dispatch: dict[str, float] = {}
+    # (warmed up here, so that the handler counters below see only the timed calls: the
+    # first call records each kernel's command-buffer node)
+    for _ in range(_WALL_WARMUP):
+        for run in programs.values():
+            jax.block_until_ready(run(args))
     stats_before = _handler_stats() if device_timing else {}
-    for mode, seconds in wall_times_interleaved(programs, args, repeats, _WALL_WARMUP,
+    for mode, seconds in wall_times_interleaved(programs, args, repeats, warmup=0,
                                                 statistic=statistic,
                                                 dispatch=dispatch).items():
         row[f"{mode}_wall_us"] = seconds * 1e6
         row[f"{mode}_dispatch_us"] = dispatch[mode] * 1e6
-    fused_programs = [mode for mode in programs if mode != "xla"]
-    if stats_before and fused_programs:
-        # jaxfuse's handlers' work during the wall timing, per op of the programs that run
-        # jaxfuse's kernels (each called warm-up + repeats times): a record (creation) per op
-        # would mean XLA builds the kernel's command-buffer node anew, loading its module,
-        # on every call.
-        ops = len(fused_programs) * (_WALL_WARMUP + repeats) * len(args)
+    kernel_programs = [mode for mode in programs
+                       if mode != "xla" and row.get(f"{mode}_solver") != "xla"]
+    if stats_before and kernel_programs:
+        # jaxfuse's handlers' work per op of the programs that run its kernels, over the
+        # timed calls: a record (creation) per op would mean XLA builds the kernel's
+        # command-buffer node anew, loading its module, on every call; an update per op,
+        # that the buffers moved.
+        ops = len(kernel_programs) * repeats * len(args)
         row["wall_handler_per_op"] = {key: (value - stats_before.get(key, 0)) / ops
                                       for key, value in _handler_stats().items()}
     if twin is not None:
@@ -181,7 +190,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
     return row
 
 
-# Untimed calls of each program before the wall clock's rounds (timing's default).
+# Untimed calls of each program before the wall clock's rounds.
 _WALL_WARMUP = 3
 
 
@@ -196,9 +205,11 @@ def _handler_stats() -> dict[str, float]:
         return {}
 
 
-def _add_queued(row: dict[str, Any], queued: dict[str, Any], twin: str | None) -> None:
+def _add_queued(row: dict[str, Any], queued: dict[str, Timing | None],
+                twin: str | None) -> None:
     """The queued measure's times and ratios into `row` (an auto plan with a twin takes the
     twin's)."""
+    queued = dict(queued)
     if twin is not None and queued.get(twin) is not None:
         queued["auto"] = queued[twin]
     xla = queued.get("xla")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import itertools
+import logging
 import statistics
 import tempfile
 import time
@@ -45,6 +46,8 @@ from ..measure import GPU_REWARM_SECONDS, Harness, Timing, device_timing, page_f
 
 __all__ = ["DeviceTiming", "batched", "device_time_per_op", "device_timings", "queued_times",
            "wall_time_per_op", "wall_times_interleaved"]
+
+logger = logging.getLogger("jaxfuse.bench")
 
 
 def batched(fn: Callable[..., Any], chained: bool = False
@@ -98,8 +101,9 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
     every run of either faulted by turns: the CPU benchmark passes ``statistic=min``, each
     program's least disturbed run.
 
-    `dispatch`, if given, receives each program's median seconds per op until its call
-    returned, before the wait for its results: the host's part of the wall time."""
+    `dispatch`, if given, receives each program's seconds per op until its call returned,
+    before the wait for its results (the same statistic of the same runs): where XLA runs a
+    program's thunks on a thread of its own, the wait holds their host work too."""
     for _ in range(warmup):
         for many in programs.values():
             jax.block_until_ready(many(arg_sets))
@@ -118,8 +122,8 @@ def wall_times_interleaved(programs: dict[str, Callable[[Any], Any]],
             times[name].append(time.perf_counter() - start)
             faults[name].append(page_faults() - faults_before)
             del out
-    if dispatch is not None:
-        dispatch.update({name: statistics.median(r) / len(arg_sets)
+    if dispatch is not None:  # (over the same runs, by the same statistic, as the wall time)
+        dispatch.update({name: statistic(quiet_runs(r, faults[name])) / len(arg_sets)
                          for name, r in returned.items()})
     return {name: statistic(quiet_runs(t, faults[name])) / len(arg_sets)
             for name, t in times.items()}
@@ -191,13 +195,19 @@ def queued_times(functions: dict[str, Callable[..., Any]], arg_sets: Sequence[Se
         for name, fn in functions.items():
             try:  # (the harness appends the runtime scalars, which these functions close over)
                 harnesses[name] = Harness.compile(lambda *a, f=fn: f(*a[:-1]), arg_sets, device)
-            except Exception:
+            except Exception as err:
+                logger.warning("queued measure: %s does not compile: %s", name, err)
                 result[name] = None
         order = list(harnesses)
         for window in range(windows):
             for name in order if window % 2 == 0 else order[::-1]:
                 warm_up = {"warm_up": GPU_REWARM_SECONDS} if window else {}
-                timing = harnesses[name].run(**warm_up)[1]
+                try:  # (a failure, out of memory say, costs this measure, not the sweep)
+                    timing = harnesses[name].run(**warm_up)[1]
+                except Exception as err:
+                    logger.warning("queued measure: %s failed: %s", name, err)
+                    result.setdefault(name, None)
+                    continue
                 best = result.get(name)
                 result[name] = timing if best is None else Timing(
                     min(best.device, timing.device), min(best.host, timing.host))
