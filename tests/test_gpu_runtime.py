@@ -577,7 +577,7 @@ def test_the_halo_tiles_are_correct(tmp_path) -> None:
 # partial tiles, stride 2, 1x1, 64 output channels (swapped tiles), a side input and
 # per-activation batch norm in NCHW, both 16-bit dtypes, a stem (the stem kernel), and
 # infinities in the input.
-_NHWC_FORM_CHILD = textwrap.dedent("""
+_FORM_CHILD_HEAD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, {tests!r})
@@ -586,6 +586,8 @@ _NHWC_FORM_CHILD = textwrap.dedent("""
     jaxfuse.find.fastest_form = lambda signature, device, kernels: kernels[-1]
     gpu = jax.devices("gpu")[0]
     NCHW = dict(layout="NCHW", filter_layout="OIHW")
+""")
+_NHWC_FORM_CHILD = _FORM_CHILD_HEAD + textwrap.dedent("""\
     cases = [
         Case(ops="CBNA", c=64, k=64, n=2, h=34, w=33, dtype="bfloat16", **NCHW),
         Case(ops="CBNSA", c=128, k=96, n=4, h=46, w=45, strides=(2, 2), padding="SAME",
@@ -617,8 +619,9 @@ def test_the_nhwc_form_of_nchw_plans_is_correct(tmp_path, forced: str) -> None:
 
 # fp32 NCHW plans in their TF32 NHWC form (JAXFUSE_TF32_NCHW_FORM=1: K-major filters, OHWI
 # or a 1x1 layer's own OIHW), forced as above: partial tiles, stride 2 with a side input, 1x1
-# with per-activation batch norm, clipped relu.
-_TF32_FORM_CHILD = _NHWC_FORM_CHILD.split("cases = [")[0] + textwrap.dedent("""\
+# with per-activation batch norm, clipped relu, and a batch-1 layer whose reduction is split
+# across a cluster (the split-K epilogue's NCHW stores).
+_TF32_FORM_CHILD = _FORM_CHILD_HEAD + textwrap.dedent("""\
     NCHW32 = dict(NCHW, dtype="float32")
     cases = [
         Case(ops="CBNA", c=64, k=64, n=2, h=34, w=33, **NCHW32),
@@ -628,6 +631,7 @@ _TF32_FORM_CHILD = _NHWC_FORM_CHILD.split("cases = [")[0] + textwrap.dedent("""\
              bn_mode="per_activation", **NCHW32),
         Case(ops="CBNSA", c=64, k=128, n=3, h=30, w=31, bn_mode="per_activation",
              activation="clipped_relu", **NCHW32),
+        Case(ops="CBNSA", c=512, k=64, n=1, h=46, w=46, **NCHW32),
     ]
     run_forced_cases(cases, gpu, lambda info: (
         info.get("input_layout", "").startswith("NHWC")
@@ -637,7 +641,7 @@ _TF32_FORM_CHILD = _NHWC_FORM_CHILD.split("cases = [")[0] + textwrap.dedent("""\
 """)
 
 
-@pytest.mark.parametrize("forced", ["conv_tma", "conv_wgmma"])
+@pytest.mark.parametrize("forced", ["conv_tma", "conv_wgmma", "conv_wgmma k/4"])
 def test_the_tf32_nhwc_form_of_fp32_nchw_plans_is_correct(tmp_path, forced: str) -> None:
     _run_ok_child(_TF32_FORM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced,
                   JAXFUSE_TF32_NCHW_FORM="1")
