@@ -12,7 +12,8 @@
 #       next call's queue. A GPU's logs and JSON come back as $OUT/gpu<i>.tgz.
 #
 #   QUEUE_FILE=benchmarks/sweeps/issue11.queue bash scripts/gpu_parallel.sh   (the same, the
-#       items from a file: a command line holds 2000 characters). An item written
+#       items from a file: a command line holds 2000 characters). "probe:..." items run
+#       probe_run (scripts/latency_probe.py on one layer case). An item written
 #       VAR=value[,VAR=value]@item runs with those variables set (its files named apart).
 #
 #   SECTIONS_0="layers" LAYER_RUNS_0="..." SECTIONS_1="layers models" MODEL_RUNS_1="..." \
@@ -68,6 +69,7 @@ queue_worker() {
         layers) layer_run "${work#*:}" "$left" ;;
         models) model_run "${work#*:}" "$left" ;;
         tests) tests_run "${work#*:}" "$left" ;;
+        probe) probe_run "${work#*:}" "$left" ;;
         *) echo "unknown queue item: $item"; exit 2 ;;
       esac
     )

@@ -6,6 +6,10 @@
 #                                                   LAYER_MATCH, picks layers by name)
 #   model_run MODEL:DTYPE:BATCHES SECONDS          (python -m jaxfuse.bench.end_to_end;
 #                                                   MODEL_SOLVERS, default "auto fused")
+#   probe_run SUITE/LAYER:DTYPE:LAYOUT:BATCH[:SOLVER] SECONDS
+#                                                  (scripts/latency_probe.py --layer: XLA's
+#                                                   program and the plan's, SOLVER (fused) by
+#                                                   default: wall, dispatch, host events)
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
 #                                                   TESTS_WORKERS (4) workers; "all": every
 #                                                   GPU test)
@@ -59,6 +63,20 @@ capped() {
   local pid=$!
   wait "$pid"; local rc=$?
   kill -KILL -- "-$pid" 2>/dev/null
+  return $rc
+}
+
+probe_run() {
+  local layer dtype layout batch solver start rc log
+  IFS=: read -r layer dtype layout batch solver <<< "$1"
+  start=$(date +%s)
+  log="$OUT/probe_$(tr -c 'A-Za-z0-9_' _ <<< "$1" | cut -c1-60)${ITEM_TAG:-}.log"
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py scripts/latency_probe.py --layer "$layer" --dtype "$dtype" --layout "$layout" \
+    --batch "$batch" --solver "${solver:-fused}" > "$log" 2>&1
+  rc=$?
+  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
+  grep -E "^(==|--)" "$log" | cut -c1-300
   return $rc
 }
 

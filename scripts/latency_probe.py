@@ -2,6 +2,8 @@
 the device's kernels, for plain ``jax.jit(apply)`` and ``jax.jit(fuse(apply))``.
 
     XLA_FLAGS=... python scripts/latency_probe.py --model resnet50 --dtype bfloat16 --batch 1
+    python scripts/latency_probe.py --layer resnet50_net/r50n_7_512_2048 --layout NCHW \
+        --dtype float32 --batch 8     # one layer benchmark case: XLA's program and the kernel's
 
 Prints, per program: wall time per call (back-to-back calls, every output kept, and with
 only the last one alive), the sum of kernel time per call,
@@ -107,6 +109,20 @@ def handler_stats(fn, args, calls: int) -> dict[str, float]:
                         "tensor_map_encode_ns")}
 
 
+def awaited_seconds(fn, args, calls: int = 20) -> tuple[float, float]:
+    """Median seconds of a call awaited before the next starts (as the layer benchmark's
+    wall time takes it), and of its part until the call returned."""
+    jax.block_until_ready(fn(*args))
+    walls, returns = [], []
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = fn(*args)
+        returns.append(time.perf_counter() - start)
+        jax.block_until_ready(out)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls), statistics.median(returns)
+
+
 def fresh_input_seconds(fn, args, pool, calls: int = 20, repeats: int = 7) -> float:
     """As `forward_seconds` with one output alive, but each call takes the next input of
     `pool` in place of the last argument."""
@@ -122,9 +138,34 @@ def fresh_input_seconds(fn, args, pool, calls: int = 20, repeats: int = 7) -> fl
     return statistics.median(times)
 
 
+def layer_programs(spec: str, dtype: str, batch: int, layout: str, solver: str) -> dict:
+    """A layer benchmark case's programs as the benchmark compiles them (K input sets in one
+    program, jaxfuse.bench's run_case): XLA's composition and the plan with `solver`."""
+    from jaxfuse.bench.__main__ import compiled_program
+    from jaxfuse.bench.cases import BenchCase
+    from jaxfuse.bench.layers import SUITES
+    from jaxfuse.bench.timing import batched
+
+    suite, name = spec.split("/")
+    layer = next(layer for layer in SUITES[suite] if layer.name == name)
+    ops = "NA" if not layer.has_conv else "CBNSA" if layer.residual else "CBNA"
+    case = BenchCase.for_layer(layer, batch, dtype, layout, ops if layer.activation else
+                               ops.replace("A", ""))
+    device = jax.devices()[0]
+    args = case.arg_sets(8 if batch > 1 else 16, device)
+    plan, plan_ops = case.plan(device, solver=solver)
+    print(f"-- {case.label()}: {plan.kernel_info.get('solver')} "
+          f"{plan.kernel_info.get('tile', '')}, {len(args)} sets a call")
+    return {"xla": (compiled_program(batched(case.unfused()), args)[0], (args,)),
+            solver: (compiled_program(batched(case.fused(plan, plan_ops)), args)[0], (args,))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="resnet50", choices=sorted(MODELS))
+    parser.add_argument("--layer", default=None, metavar="SUITE/LAYER",
+                        help="a layer benchmark case instead of a model")
+    parser.add_argument("--layout", default="NHWC", help="--layer's layout")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20)
@@ -134,7 +175,11 @@ def main() -> None:
                              "(constants of the program, not arguments of each call)")
     opts = parser.parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
-    print(f"== {opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
+    print(f"== {opts.layer or opts.model} {opts.dtype} N={opts.batch} XLA_FLAGS={flags!r}")
+    if opts.layer:
+        report_programs(layer_programs(opts.layer, opts.dtype, opts.batch, opts.layout,
+                                       opts.solver), opts.calls, pool=None)
+        return
     model, variables, x = model_inputs(opts.model, opts.dtype, opts.batch)
     variables, x = jax.device_put((variables, x))
     fused = fuse(model.apply, solver=opts.solver)
@@ -156,13 +201,24 @@ def main() -> None:
     # A server's calls: a new input each time (a pool of distinct arrays, cycled), so XLA
     # sees the input buffer move, as it does when every output is kept.
     pool = [jax.random.normal(jax.random.key(i), x.shape, x.dtype) for i in range(8)]
+    report_programs(programs, opts.calls, pool)
+
+
+def report_programs(programs: dict, calls: int, pool: list | None) -> None:
+    """Wall times, trace summaries and handler counters of each (fn, args) of `programs`;
+    `pool`: inputs to cycle through in place of the last argument (None: not timed so)."""
     for name, (fn, args) in programs.items():
         wall = forward_seconds(fn, args, calls=20) * 1e6
         wall_one = forward_seconds(fn, args, calls=20, keep_outputs=False) * 1e6
-        wall_fresh = fresh_input_seconds(fn, args, pool) * 1e6
-        s = trace_summary(fn, args, opts.calls)
-        print(f"-- {name}: wall {wall:.0f} us/call ({wall_one:.0f} with one output alive, "
-              f"{wall_fresh:.0f} with one alive and a new input each call), "
+        fresh = ""
+        if pool is not None:
+            fresh = f", {fresh_input_seconds(fn, args, pool) * 1e6:.0f} with one alive and a " \
+                    "new input each call"
+        awaited, returned = (seconds * 1e6 for seconds in awaited_seconds(fn, args))
+        s = trace_summary(fn, args, calls)
+        print(f"-- {name}: wall {wall:.0f} us/call ({wall_one:.0f} with one output alive"
+              f"{fresh}; {awaited:.0f} a call awaited, {returned:.0f} of it until it "
+              f"returned), "
               f"kernels {s['kernels_per_call']:.0f}/call "
               f"= {s['kernel_us_per_call']:.0f} us ({s['kernel_busy_us_per_call']:.0f} us "
               f"overlaps counted once) over a device span of "
@@ -180,12 +236,12 @@ def main() -> None:
         for kernel, count, us in s["device_exposed"]:
             print(f"   {us:8.1f} us {count:6.1f}x  {kernel}")
         if jax.devices()[0].platform == "gpu":
-            h = handler_stats(fn, args, opts.calls)
+            h = handler_stats(fn, args, calls)
             print(f"   jaxfuse's handlers a call, every output kept: {h['record_updates']:.1f} "
                   f"record updates in {h['record_update_ns']:.1f} us, "
                   f"{h['tensor_map_encodes']:.1f} tensor maps encoded in "
                   f"{h['tensor_map_encode_ns']:.1f} us")
-        one = trace_summary(fn, args, opts.calls, keep_outputs=False)
+        one = trace_summary(fn, args, calls, keep_outputs=False)
         print(f"   with one output alive: kernels {one['kernel_us_per_call']:.0f} us "
               f"({one['kernel_busy_us_per_call']:.0f} us overlaps counted once) over a "
               f"device span of {one['device_span_us_per_call']:.0f} us; watched host events:")
