@@ -63,11 +63,19 @@ else
   prebuilt=$(ls .prebuilt/_jaxfuse_ext*.so 2>/dev/null | head -1)
   # REUSE_BUILD=1 trusts a carried build whatever the hash says (the copied tree's csrc can read
   # as modified to git there although its files are the committed ones).
+  # A carried build that does not load here (one built on another machine, against another
+  # C++ runtime) is set aside, and the extension built.
   if [[ -n $prebuilt && ( "${REUSE_BUILD:-0}" == 1 ||
-        "$(cat .prebuilt/csrc_hash 2>/dev/null)" == "$csrc_hash" ) ]]; then
-    cp "$prebuilt" jaxfuse/ && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        "$(cat .prebuilt/csrc_hash 2>/dev/null)" == "$csrc_hash" ) ]] &&
+     cp "$prebuilt" jaxfuse/ &&
+     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $py -c "import jaxfuse._jaxfuse_ext" \
+       2> "$OUT/carried_build.log"; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     echo "reused the carried build of csrc $csrc_hash"
   else
+    [[ -s $OUT/carried_build.log ]] && { echo "the carried build does not load:";
+                                         tail -3 "$OUT/carried_build.log"; }
+    rm -f jaxfuse/_jaxfuse_ext*.so
     $py -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/build.log" 2>&1 \
       || { tail -40 "$OUT/build.log"; exit 1; }
     so=$($py -c "import jaxfuse._jaxfuse_ext as m; print(m.__file__)")
