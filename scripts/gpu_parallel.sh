@@ -52,27 +52,7 @@ queue_worker() {
     [[ -n $item ]] || return 0
     left=$(( deadline - $(date +%s) ))
     if (( left <= 30 )); then echo "left: $item" >> "$leftovers"; continue; fi
-    (
-      # VAR=value[,VAR=value]@item: the item runs with those variables, its files named apart.
-      work=$item
-      if [[ $work == *@* ]]; then
-        settings=${work%%@*} work=${work#*@}
-        name='[A-Za-z_][A-Za-z0-9_]*=[^,]*'
-        if [[ ! $settings =~ ^$name(,$name)*$ ]]; then
-          echo "bad queue item (VAR=value[,VAR=value]@item): $item"; exit 2
-        fi
-        IFS=, read -ra assignments <<< "$settings"
-        export "${assignments[@]}" ITEM_SETTINGS="$settings" \
-          ITEM_TAG="_e$(md5sum <<< "$settings" | cut -c1-6)"
-      fi
-      case ${work%%:*} in
-        layers) layer_run "${work#*:}" "$left" ;;
-        models) model_run "${work#*:}" "$left" ;;
-        tests) tests_run "${work#*:}" "$left" ;;
-        probe) probe_run "${work#*:}" "$left" ;;
-        *) echo "unknown queue item: $item"; exit 2 ;;
-      esac
-    )
+    queue_item "$item" "$left"
     (( $? == 124 )) && echo "cut: $item" >> "$leftovers"
   done
 }

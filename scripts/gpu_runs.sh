@@ -10,6 +10,10 @@
 #                                                  (scripts/latency_probe.py --layer: XLA's
 #                                                   program and the plan's, SOLVER (fused) by
 #                                                   default: wall, dispatch, host events)
+#   queue_item [VAR=value[,VAR=value]@]KIND:ARGS SECONDS
+#                                                  (one queue item, KIND layers, models, tests
+#                                                   or probe, in a subshell with the variables
+#                                                   set and its files named apart)
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
 #                                                   TESTS_WORKERS (4) workers; "all": every
 #                                                   GPU test)
@@ -65,6 +69,27 @@ capped() {
   kill -KILL -- "-$pid" 2>/dev/null
   return $rc
 }
+
+queue_item() (
+  local work=$1 settings name assignments
+  if [[ $work == *@* ]]; then
+    settings=${work%%@*} work=${work#*@}
+    name='[A-Za-z_][A-Za-z0-9_]*=[^,]*'
+    if [[ ! $settings =~ ^$name(,$name)*$ ]]; then
+      echo "bad queue item (VAR=value[,VAR=value]@item): $1"; exit 2
+    fi
+    IFS=, read -ra assignments <<< "$settings"
+    export "${assignments[@]}" ITEM_SETTINGS="$settings" \
+      ITEM_TAG="_e$(md5sum <<< "$settings" | cut -c1-6)"
+  fi
+  case ${work%%:*} in
+    layers) layer_run "${work#*:}" "$2" ;;
+    models) model_run "${work#*:}" "$2" ;;
+    tests) tests_run "${work#*:}" "$2" ;;
+    probe) probe_run "${work#*:}" "$2" ;;
+    *) echo "unknown queue item: $1"; exit 2 ;;
+  esac
+)
 
 probe_run() {
   local layer dtype layout batch solver start rc log

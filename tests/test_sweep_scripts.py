@@ -1,0 +1,89 @@
+"""The GPU sweep's scripts, run here with a stand-in for Python: a queue item of
+scripts/gpu_runs.sh runs with its own variables and names its files apart, a malformed or
+unknown item is refused, a cut item's status comes back; scripts/sweep_table.py keeps runs
+with variables apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STUB = """#!/bin/bash
+echo "args: $*"
+echo "form=${JAXFUSE_TF32_NCHW_FORM:-unset}"
+exit ${STUB_RC:-0}
+"""
+
+if shutil.which("bash") is None or shutil.which("md5sum") is None:
+    pytest.skip("needs bash and md5sum", allow_module_level=True)
+
+
+def _queue_item(tmp_path: Path, item: str, **env: str) -> tuple[int, str, dict[str, str]]:
+    """Runs `queue_item ITEM 60` with the stand-in; its status, output and files' texts."""
+    stub = tmp_path / "stub"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"  # (a folder per call)
+    out.mkdir()
+    script = f'source "{ROOT}/scripts/gpu_runs.sh"; queue_item "$ITEM" 60'
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(out), "py": str(stub), "ITEM": item,
+                               **env})
+    files = {p.name: p.read_text() for p in out.iterdir()}
+    return done.returncode, done.stdout, files
+
+
+def test_an_item_runs_with_its_variables_and_names_its_files_apart(tmp_path) -> None:
+    rc, printed, files = _queue_item(
+        tmp_path, "JAXFUSE_TF32_NCHW_FORM=1,LAYER_MATCH=r50.*3x3@layers:na:float32:NCHW:1,64")
+    assert rc == 0
+    [(name, log)] = [(n, t) for n, t in files.items() if n.startswith("layers_")]
+    assert name.startswith("layers_na_float32_NCHW_1_64_e") and name.endswith(".log")
+    assert "form=1" in log and "--layers r50.*3x3" in log and "--batch 1 64" in log
+    # (the exit line names the variables too)
+    assert printed.startswith("JAXFUSE_TF32_NCHW_FORM=1,LAYER_MATCH=r50.*3x3@na:float32:NCHW:"
+                              "1,64 exit 0")
+    # The same item without variables: a file of its own name, the variable unset.
+    rc, _, files = _queue_item(tmp_path, "layers:na:float32:NCHW:1,64")
+    assert rc == 0 and "form=unset" in files["layers_na_float32_NCHW_1_64.log"]
+
+
+def test_a_layer_item_may_name_its_layers(tmp_path) -> None:
+    rc, _, files = _queue_item(tmp_path, "layers:resnet50_net:float32:NCHW:8:^r50n_(7|14)$")
+    assert rc == 0
+    [log] = [t for n, t in files.items() if n.startswith("layers_resnet50_net_float32_NCHW_8_m")]
+    assert "--layers ^r50n_(7|14)$" in log
+
+
+@pytest.mark.parametrize("item", ["JAXFUSE_TF32_NCHW_FORM@layers:na:float32:NCHW:1",
+                                  "1BAD=1@layers:na:float32:NCHW:1", "bogus:x"])
+def test_malformed_and_unknown_items_are_refused(tmp_path, item: str) -> None:
+    rc, printed, files = _queue_item(tmp_path, item)
+    assert rc == 2 and "queue item" in printed and not files
+
+
+def test_a_cut_item_s_status_comes_back(tmp_path) -> None:
+    rc, printed, _ = _queue_item(tmp_path, "probe:na/NA_C64_H112:float16:NHWC:1", STUB_RC="124")
+    assert rc == 124 and "exit 124" in printed
+
+
+def test_sweep_table_keeps_runs_with_variables_apart(tmp_path) -> None:
+    row = {"suite": "na", "case": "NA_C64 N=1", "n": 1, "dtype": "float32", "layout": "NHWC",
+           "auto_solver": "xla", "ratio_fused_device": 0.5, "ratio_auto_device": 0.9}
+    (tmp_path / "layers_na_float32_NHWC_1.json").write_text(json.dumps({"rows": [row]}))
+    (tmp_path / "layers_na_float32_NHWC_1_e1a2b3c.json").write_text(
+        json.dumps({"rows": [{**row, "ratio_auto_device": 1.2}]}))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep_table.py"),
+                           *map(str, sorted(tmp_path.glob("*.json")))],
+                          capture_output=True, text=True, check=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| na")]
+    assert lines == ["| na | fp32 | NHWC | 1 | 0.50 (0.50) | 0.90 (0.90) |",
+                     "| na | fp32 | NHWC (e1a2b3c) | 1 | 0.50 (0.50) | 1.20 (1.20) |"]
+    assert "1 below 0.97" in done.stdout and "NA_C64 N=1 (xla): 0.900" in done.stdout
