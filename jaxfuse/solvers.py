@@ -100,18 +100,25 @@ _K_MAJOR_KERNELS = ("conv_tma", "conv_wgmma")
 _TF32_K_TILE = 32
 
 
+def _tf32_on_hopper(signature: PlanSignature, device: Any) -> bool:
+    """Whether `signature`'s convolution may run on Hopper's TF32 wgmma kernels: fp32 with
+    TF32 allowed, 32-channel k-tiles per group, not switched off."""
+    c = signature.conv
+    return (c is not None and device.platform.lower() != "cpu"
+            and signature.dtype == np.float32 and c.allow_tf32
+            and (signature.channels // c.groups) % _TF32_K_TILE == 0
+            and os.environ.get("JAXFUSE_TF32_KERNELS") != "0"  # as csrc/gpu/codegen.cc reads it
+            and str(getattr(device, "compute_capability", "")) == "9.0")
+
+
 def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
     """The filter layout the fused kernel should read for `signature` on `device`, where the
     filters are worth transposing into it on every call (see above); None: the plan's own.
 
     A rule from the measurements above, not a measurement per plan: the find step times the
     form it gives (transpose included) against XLA, never against the other fused form."""
-    c = signature.conv
-    if (c is None or device.platform.lower() == "cpu" or signature.dtype != np.float32
-            or signature.layout != "NHWC" or c.filter_layout != "HWIO" or not c.allow_tf32
-            or (signature.channels // c.groups) % _TF32_K_TILE != 0
-            or os.environ.get("JAXFUSE_TF32_KERNELS") == "0"  # as csrc/gpu/codegen.cc reads it
-            or str(getattr(device, "compute_capability", "")) != "9.0"):
+    if (not _tf32_on_hopper(signature, device) or signature.layout != "NHWC"
+            or signature.conv.filter_layout != "HWIO"):
         return None
     _, p, q = signature.output_chw
     return "OHWI" if signature.batch * p * q >= _TRANSPOSE_MIN_PIXELS else None
@@ -192,21 +199,18 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return []
     _, p, q = signature.output_chw
-    per_group = signature.channels // c.groups
+    if signature.batch * p * q < _NHWC_FORM_MIN_PIXELS:
+        return []
     if signature.dtype == np.float32:
-        if (os.environ.get(_TF32_FORM_VARIABLE) != "1" or not c.allow_tf32
-                or os.environ.get("JAXFUSE_TF32_KERNELS") == "0"
-                or per_group % _TF32_K_TILE != 0
-                or signature.batch * p * q < _NHWC_FORM_MIN_PIXELS):
+        if os.environ.get(_TF32_FORM_VARIABLE) != "1" or not _tf32_on_hopper(signature, device):
             return []
         one_tap = c.filter_h == c.filter_w == 1
         return [("OIHW" if one_tap and c.filter_layout == "OIHW" else "OHWI", "NHWC")]
     # (csrc/gpu/codegen.cc: WgmmaApplies' 64-channel k-tiles, StemApplies' few channels)
+    per_group = signature.channels // c.groups
     tensor_cores = per_group % 64 == 0 or (signature.channels <= 4 and c.groups == 1
                                            and c.dilation == (1, 1))
-    if not tensor_cores or signature.batch * p * q < _NHWC_FORM_MIN_PIXELS:
-        return []
-    return [("HWIO", "NHWC")]
+    return [("HWIO", "NHWC")] if tensor_cores else []
 
 
 # The kernels that write an output layout other than their input's (csrc/gpu/codegen.cc).
