@@ -21,6 +21,11 @@
 # (124: cut at its time; SIGABRT then has Python print every thread's stack into the log, to
 # tell a slow step from a stuck one).
 
+# The line that ends a run: what ran (with its queue item's variables), its status, its time.
+finished() {
+  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $2 in $(( $(date +%s) - $3 )) s"
+}
+
 layer_run() {
   local suite dtype layout batches match start tag rc
   IFS=: read -r suite dtype layout batches match <<< "$1"
@@ -37,7 +42,7 @@ layer_run() {
     --dtype ${dtype//,/ } --layout "$layout" ${match:+--layers "$match"} \
     --repeats 10 --json "$OUT/layers_$tag.json" --no-progress > "$OUT/layers_$tag.log" 2>&1
   rc=$?
-  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
+  finished "$1" "$rc" "$start"
   grep -v -E "^(W|I)[0-9]{4}" "$OUT/layers_$tag.log" | grep -v '^{' | tail -40
   return $rc
 }
@@ -54,7 +59,7 @@ model_run() {
     --json "$OUT/models_${model}_${dtype}${ITEM_TAG:-}.json" \
     >> "$OUT/models.log" 2>> "$OUT/models_detail.log"
   rc=$?
-  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
+  finished "$1" "$rc" "$start"
   return $rc
 }
 
@@ -100,7 +105,7 @@ probe_run() {
     $py scripts/latency_probe.py --layer "$layer" --dtype "$dtype" --layout "$layout" \
     --batch "$batch" --solver "${solver:-fused}" > "$log" 2>&1
   rc=$?
-  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}$1 exit $rc in $(( $(date +%s) - start )) s"
+  finished "$1" "$rc" "$start"
   grep -E "^(==|--)" "$log" | cut -c1-300
   return $rc
 }
@@ -116,7 +121,7 @@ tests_run() {
     -n "${TESTS_WORKERS:-4}" \
     "${select[@]}" > "$log" 2>&1
   rc=$?
-  echo "${ITEM_SETTINGS:+$ITEM_SETTINGS@}tests '$1' exit $rc in $(( $(date +%s) - start )) s"
+  finished "tests '$1'" "$rc" "$start"
   grep -E "passed|failed|FAILED|Error" "$log" | tail -15
   return $rc
 }
