@@ -26,7 +26,7 @@ import jax
 
 from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
-from jaxfuse.bench.timing import exposed_ns
+from jaxfuse.bench.timing import exposed_ns, wall_times_interleaved
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
@@ -110,17 +110,12 @@ def handler_stats(fn, args, calls: int) -> dict[str, float]:
 
 
 def awaited_seconds(fn, args, calls: int = 20) -> tuple[float, float]:
-    """Median seconds of a call awaited before the next starts (as the layer benchmark's
-    wall time takes it), and of its part until the call returned."""
-    jax.block_until_ready(fn(*args))
-    walls, returns = [], []
-    for _ in range(calls):
-        start = time.perf_counter()
-        out = fn(*args)
-        returns.append(time.perf_counter() - start)
-        jax.block_until_ready(out)
-        walls.append(time.perf_counter() - start)
-    return statistics.median(walls), statistics.median(returns)
+    """Median seconds of a call awaited before the next starts, and of its part until the
+    call returned: the layer benchmark's wall and dispatch times (one op a call here)."""
+    dispatch: dict[str, float] = {}
+    wall = wall_times_interleaved({"": lambda _: fn(*args)}, [()], repeats=calls, warmup=1,
+                                  dispatch=dispatch)
+    return wall[""], dispatch[""]
 
 
 def fresh_input_seconds(fn, args, pool, calls: int = 20, repeats: int = 7) -> float:
