@@ -405,3 +405,24 @@ def test_a_queued_measurement_that_fails_costs_only_its_own_numbers(monkeypatch)
     times = timing.queued_times({"bad": lambda x: x * 2}, [(jnp.arange(3.0),)],
                                 jax.devices("cpu")[0])
     assert times == {"bad": None}
+
+
+def test_a_call_that_waits_far_past_its_device_time_is_traced(capsys) -> None:
+    from jaxfuse.bench.__main__ import _probe_stalls
+
+    program = jax.jit(lambda sets: [a * 2 + 1 for (a,) in sets])
+    args = [(jnp.arange(64.0) + i,) for i in range(2)]
+    row = {"case": "c", "xla_wall_us": 40.0, "xla_dispatch_us": 38.0, "xla_device_us": 5.0,
+           "fused_wall_us": 245.0, "fused_dispatch_us": 19.0, "fused_device_us": 4.0}
+    _probe_stalls(row, {"xla": program, "fused": program}, args)
+    assert set(row["stalls"]) == {"xla", "fused"}  # (XLA's beside it, for comparison)
+    timeline = row["stalls"]["fused"]
+    assert len(timeline["runs_us"]) == 10
+    assert all(ready >= returned for returned, ready in timeline["runs_us"])
+    assert timeline["events"] and all(start >= 0 for _, _, start, _ in timeline["events"])
+    assert "stall probe, c, fused" in capsys.readouterr().out
+
+    quiet = {**row, "fused_wall_us": 30.0}
+    del quiet["stalls"]
+    _probe_stalls(quiet, {"xla": program, "fused": program}, args)
+    assert "stalls" not in quiet

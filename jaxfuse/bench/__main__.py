@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import FusionError
 from ..measure import Timing
+from . import stall
 from .cases import BenchCase
 from .layers import SUITES
 from .roofline import measure_ceilings
@@ -178,6 +179,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
             row["ratio_auto_device"] = row["xla_device_us"] / row["auto_device_us"]
             if row.get("auto_span_us"):
                 row["ratio_auto_span"] = row["xla_span_us"] / row["auto_span_us"]
+    if device_timing:
+        _probe_stalls(row, programs, args)
     floor = ceilings.floor(flops, nbytes, case.dtype)
     row.update(gflop=flops / 1e9, mbytes=nbytes / 1e6, floor_us=floor * 1e6)
     best = row.get("fused_device_us", row.get("fused_wall_us"))
@@ -192,6 +195,25 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
 
 # Untimed calls of each program before the wall clock's rounds.
 _WALL_WARMUP = 3
+# An awaited call that waits this many times its device time after returning, and this
+# many microseconds per op more, is traced (stall.awaited_timeline).
+_STALL_FACTOR, _STALL_US = 3.0, 30.0
+
+
+def _probe_stalls(row: dict[str, Any], programs: dict[str, Any], args: Any) -> None:
+    """Traces one awaited call of each kernel program whose wait past its return dwarfs its
+    device time (and XLA's program beside it), into ``row["stalls"]`` and the log."""
+    stalled = [mode for mode in programs if mode != "xla" and f"{mode}_device_us" in row
+               and row[f"{mode}_wall_us"] - row[f"{mode}_dispatch_us"]
+               > _STALL_FACTOR * row[f"{mode}_device_us"] + _STALL_US]
+    if not stalled:
+        return
+    row["stalls"] = {}
+    for mode in ["xla", *stalled]:
+        row["stalls"][mode] = timeline = stall.awaited_timeline(programs[mode], args)
+        print(f"stall probe, {row['case']}, {mode}: wall {row[f'{mode}_wall_us']:.1f} "
+              f"dispatch {row[f'{mode}_dispatch_us']:.1f} us/op\n{stall.describe(timeline)}",
+              flush=True)
 
 
 def _handler_stats() -> dict[str, float]:
