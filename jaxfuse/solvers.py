@@ -134,12 +134,28 @@ def kernel_filters(signature: PlanSignature, device: Any) -> str | None:
 _NHWC_FORM_MIN_PIXELS = 2048
 # fp32 NCHW plans: the TF32 kernels read NHWC activations and K-major filters (OHWI, or a 1x1
 # layer's own OIHW), so their form transposes both. The plans' own kernel (conv_igemm, NCHW)
-# ran ResNet-50's 3x3 layers at 0.16-0.51x XLA on four H200s (2026-11-28), where the NHWC
-# plans' TF32 kernels ran 0.96-2.12x; with the transposes at copy speed the form should gain
-# about 1.2x on 10 of its 23 layers at batch 1. Offered only with JAXFUSE_TF32_NCHW_FORM=1
-# until a sweep has measured it (its GPU tests passed on an H200, 2026-11-28); the find step
-# keeps it only where it agrees with the plan's own kernel and is faster.
+# ran ResNet-50's 3x3 layers at 0.16-0.51x XLA on four H200s (2026-11-28); with the form,
+# auto mode ran every measured fp32 NCHW suite case at 1.00-2.10x XLA by queued time (92
+# cases, batch 1 and 64; 1.03-2.10x on 3x3 and 1x1 layers at batch 64, where it had kept
+# XLA's composition) and the forced kernels 1.24x faster in geomean (same GPUs, 2026-11-28,
+# twenty-fifth session). On by default; JAXFUSE_TF32_NCHW_FORM=0 withdraws it. The find
+# step keeps it only where it agrees with the plan's own kernel and is faster.
 _TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
+# Below 2048 output pixels (batch 1 from 28x28 down) fp32 NCHW plans keep their own kernel,
+# which ran ResNet-50's 3x3 layers there at 0.17-0.33x XLA by queued time (four H200s,
+# 2026-11-28), so auto mode keeps XLA's composition; the NHWC plans' TF32 split-K kernels
+# ran the same layers at 1.44-2.23x. Whether the form's two transposes leave a gain at that
+# size is for a sweep to say: JAXFUSE_TF32_FORM_MIN_PIXELS=0 offers it at any size.
+_TF32_FORM_MIN_PIXELS_VARIABLE = "JAXFUSE_TF32_FORM_MIN_PIXELS"
+
+
+def _tf32_form_min_pixels() -> int:
+    """The fewest output pixels (batch x height x width) an fp32 NCHW plan is offered its
+    TF32 NHWC form at."""
+    try:
+        return int(os.environ.get(_TF32_FORM_MIN_PIXELS_VARIABLE, _NHWC_FORM_MIN_PIXELS))
+    except ValueError:
+        return _NHWC_FORM_MIN_PIXELS
 
 
 def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
@@ -199,13 +215,15 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return []
     _, p, q = signature.output_chw
-    if signature.batch * p * q < _NHWC_FORM_MIN_PIXELS:
-        return []
+    pixels = signature.batch * p * q
     if signature.dtype == np.float32:
-        if os.environ.get(_TF32_FORM_VARIABLE) != "1" or not _tf32_on_hopper(signature, device):
+        if (os.environ.get(_TF32_FORM_VARIABLE) == "0" or not _tf32_on_hopper(signature, device)
+                or pixels < _tf32_form_min_pixels()):
             return []
         one_tap = c.filter_h == c.filter_w == 1
         return [("OIHW" if one_tap and c.filter_layout == "OIHW" else "OHWI", "NHWC")]
+    if pixels < _NHWC_FORM_MIN_PIXELS:
+        return []
     # (csrc/gpu/codegen.cc: WgmmaApplies' 64-channel k-tiles, StemApplies' few channels)
     per_group = signature.channels // c.groups
     tensor_cores = per_group % 64 == 0 or (signature.channels <= 4 and c.groups == 1

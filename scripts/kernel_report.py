@@ -57,10 +57,9 @@ OPCODES = {"HGMMA": "wgmma", "HMMA": "mma.sync", "UTMALDG": "TMA loads", "LDGSTS
 
 def report(case: Case, arch: str, form: bool = False) -> None:
     signature = case.build()[0].signature
-    if form:  # the form jaxfuse.solvers.kernel_forms offers on Hopper, its fp32 one switched on
+    if form:  # the form jaxfuse.solvers.kernel_forms offers on Hopper
         from jaxfuse import solvers
 
-        os.environ["JAXFUSE_TF32_NCHW_FORM"] = "1"
         hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
         forms = solvers.kernel_forms(signature, hopper)
         if not forms:

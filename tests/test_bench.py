@@ -420,6 +420,8 @@ def test_a_call_that_waits_far_past_its_device_time_is_traced(capsys) -> None:
     assert len(timeline["runs_us"]) == 10
     assert all(ready >= returned for returned, ready in timeline["runs_us"])
     assert timeline["events"] and all(start >= 0 for _, _, start, _ in timeline["events"])
+    wait = timeline["milestones_us"]["wait"]  # (the CPU has no graph launches or kernels)
+    assert 0 <= wait[0] <= wait[1] <= timeline["call_us"]
     assert "stall probe, c, fused" in capsys.readouterr().out
 
     quiet = {**row, "fused_wall_us": 30.0}

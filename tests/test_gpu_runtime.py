@@ -617,10 +617,10 @@ def test_the_nhwc_form_of_nchw_plans_is_correct(tmp_path, forced: str) -> None:
     _run_ok_child(_NHWC_FORM_CHILD, str(tmp_path), JAXFUSE_KERNEL_VARIANT=forced)
 
 
-# fp32 NCHW plans in their TF32 NHWC form (JAXFUSE_TF32_NCHW_FORM=1: K-major filters, OHWI
-# or a 1x1 layer's own OIHW), forced as above: partial tiles, stride 2 with a side input, 1x1
-# with per-activation batch norm, clipped relu, and a batch-1 layer whose reduction is split
-# across a cluster (the split-K epilogue's NCHW stores).
+# fp32 NCHW plans in their TF32 NHWC form (on unless JAXFUSE_TF32_NCHW_FORM=0: K-major
+# filters, OHWI or a 1x1 layer's own OIHW), forced as above: partial tiles, stride 2 with a
+# side input, 1x1 with per-activation batch norm, clipped relu, and a batch-1 layer whose
+# reduction is split across a cluster (the split-K epilogue's NCHW stores).
 _TF32_FORM_CHILD = _FORM_CHILD_HEAD + textwrap.dedent("""\
     NCHW32 = dict(NCHW, dtype="float32")
     cases = [

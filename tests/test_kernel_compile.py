@@ -628,7 +628,7 @@ def test_the_nhwc_form_compiles_every_variant(case: Case) -> None:
     assert solvers and solvers <= {"conv_tma", "conv_wgmma", "conv_stem"}, solvers
 
 
-# ... and of fp32 NCHW plans through TF32 (kernel_forms with JAXFUSE_TF32_NCHW_FORM=1): K-major
+# ... and of fp32 NCHW plans through TF32 (kernel_forms' default): K-major
 # filters, OHWI (or a 1x1 layer's own OIHW); every sm_90 variant compiles, all of them kernels
 # that write NCHW from NHWC input. (Spills: scripts/kernel_report.py --form, with nvcc.)
 @pytest.mark.parametrize("case, filters", [
@@ -640,6 +640,12 @@ def test_the_nhwc_form_compiles_every_variant(case: Case) -> None:
           h=7, w=7, r=1, s=1, padding="VALID"), "OIHW"),
     (Case(ops="CBN", dtype="float32", layout="NCHW", filter_layout="OIHW", c=64, k=256, n=1,
           h=56, w=56, r=1, s=1, padding="VALID", bn_mode="per_activation"), "OIHW"),
+    # batch 1 below the form's default bound (JAXFUSE_TF32_FORM_MIN_PIXELS=0): the split-K
+    # variants' NCHW stores from a cluster's reduction
+    (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=256, k=256, n=1,
+          h=14, w=14), "OHWI"),
+    (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=512, k=512, n=1,
+          h=14, w=14, strides=(2, 2), padding=((1, 1), (1, 1))), "OHWI"),
 ], ids=str)
 def test_the_tf32_nhwc_form_compiles_every_variant(case: Case, filters: str) -> None:
     from jaxfuse.solvers import kernel_signature

@@ -45,14 +45,15 @@ def _operands(signature, seed: int = 0) -> list:
     (BIG, AMPERE, False),  # the kernels that write NCHW from NHWC input are Hopper's
     (BIG, CPU, False),
     (dataclasses.replace(BIG, n=1), HOPPER, False),  # 1024 pixels
-    (dataclasses.replace(BIG, dtype="float32"), HOPPER, False),  # TF32: switched off
+    (dataclasses.replace(BIG, dtype="float32"), HOPPER, True),  # (TF32: K-major filters)
     (dataclasses.replace(BIG, layout="NHWC", filter_layout="HWIO"), HOPPER, False),
     (dataclasses.replace(BIG, ops="BNA", k=None), HOPPER, False),  # no convolution
 ])
 def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered: bool) -> None:
     monkeypatch.delenv("JAXFUSE_TF32_NCHW_FORM", raising=False)  # (as by default)
     forms = solvers.kernel_forms(_signature(case), target)
-    assert forms == ([("HWIO", "NHWC")] if offered else [])
+    filters = "OHWI" if case.dtype == "float32" else "HWIO"
+    assert forms == ([(filters, "NHWC")] if offered else [])
 
 
 @pytest.mark.parametrize("case, form", [
@@ -62,12 +63,28 @@ def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered:
     (dataclasses.replace(BIG, dtype="float32", c=48, k=48), []),  # 32-channel k-tiles
     (dataclasses.replace(BIG, dtype="float32", n=1), []),  # 1024 pixels
 ])
-def test_fp32_plans_get_the_tf32_form_where_switched_on(monkeypatch, case: Case, form) -> None:
-    monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "1")
+def test_fp32_plans_get_the_tf32_form_unless_switched_off(monkeypatch, case: Case, form) -> None:
+    monkeypatch.delenv("JAXFUSE_TF32_NCHW_FORM", raising=False)  # (on by default)
     assert solvers.kernel_forms(_signature(case), HOPPER) == form
     assert solvers.kernel_forms(_signature(case), AMPERE) == []
+    monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "0")
+    assert solvers.kernel_forms(_signature(case), HOPPER) == []
+    monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "1")
     monkeypatch.setenv("JAXFUSE_TF32_KERNELS", "0")
     assert solvers.kernel_forms(_signature(case), HOPPER) == []
+
+
+def test_small_fp32_plans_get_the_tf32_form_below_its_pixel_bound(monkeypatch) -> None:
+    """JAXFUSE_TF32_FORM_MIN_PIXELS moves the fp32 form's bound (batch 1 of a 32x32 layer
+    is 1024 pixels), and the 16-bit forms' bound stays."""
+    small32 = _signature(dataclasses.replace(BIG, dtype="float32", n=1))
+    small16 = _signature(dataclasses.replace(BIG, n=1))
+    assert solvers.kernel_forms(small32, HOPPER) == []
+    monkeypatch.setenv("JAXFUSE_TF32_FORM_MIN_PIXELS", "0")
+    assert solvers.kernel_forms(small32, HOPPER) == [("OHWI", "NHWC")]
+    assert solvers.kernel_forms(small16, HOPPER) == []
+    monkeypatch.setenv("JAXFUSE_TF32_FORM_MIN_PIXELS", "lots")  # (not a number: the default)
+    assert solvers.kernel_forms(small32, HOPPER) == []
 
 
 def test_a_1x1_tf32_form_reads_the_plan_s_own_filters(monkeypatch) -> None:

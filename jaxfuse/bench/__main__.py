@@ -23,6 +23,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -59,10 +60,12 @@ def _rel_error(a: Any, b: Any) -> float:
 
 
 def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: int,
-             device_timing: bool, chained: bool = False) -> dict[str, Any]:
+             device_timing: bool, chained: bool = False,
+             probe_stalls: bool = False) -> dict[str, Any]:
     """Times XLA's composition, jaxfuse's kernel forced (what the kernels achieve) and the plan
     in auto mode (what users get: the faster of the two, by jaxfuse's own measurement).
-    `chained`: the K ops of a program depend on each other (timing.batched)."""
+    `chained`: the K ops of a program depend on each other (timing.batched). `probe_stalls`
+    (GPUs): trace an awaited call of a program that waits far past its device time."""
     # Each program is compiled once, ahead of time: the same executable gives the reference
     # result, the optimized text that finds twins, and every timing.
     args = case.arg_sets(sets, device)
@@ -179,7 +182,7 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
             row["ratio_auto_device"] = row["xla_device_us"] / row["auto_device_us"]
             if row.get("auto_span_us"):
                 row["ratio_auto_span"] = row["xla_span_us"] / row["auto_span_us"]
-    if device_timing:
+    if device_timing and probe_stalls:
         _probe_stalls(row, programs, args)
     floor = ceilings.floor(flops, nbytes, case.dtype)
     row.update(gflop=flops / 1e9, mbytes=nbytes / 1e6, floor_us=floor * 1e6)
@@ -397,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default=None, metavar="REGEX",
                         help="only the suites' layers whose names match (re.search)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--probe-stalls", action="store_true",
+                        default=os.environ.get("JAXFUSE_BENCH_PROBE_STALLS") == "1",
+                        help="GPUs: trace one awaited call of each program whose wall time "
+                             "waits far past its device time (also JAXFUSE_BENCH_PROBE_STALLS=1)")
     args = parser.parse_args(argv)
 
     device = jax.devices(args.platform)[0] if args.platform else jax.devices()[0]
@@ -415,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         sets = args.sets if case.n > 1 else max(args.sets, 16)
         rows.append({"suite": suite, **run_case(
             case, device, ceilings, sets, args.repeats,
-            device_timing=device.platform == "gpu", chained=args.chain)})
+            device_timing=device.platform == "gpu", chained=args.chain,
+            probe_stalls=args.probe_stalls)})
         if args.no_progress:  # a log of rows as they finish, should the run be cut short
             print(json.dumps(rows[-1], default=str), file=sys.stderr)
     print_table(rows)
