@@ -2,8 +2,9 @@
 
 One line per (suite, dtype, layout, run variant): the cases at each batch and the geomean
 (min) of the forced and auto ratios by one measure (device by default), then every case below
-a bound. A run variant is a queue item's own variables or layers (the files' ``_e``/``_m``
-tags, scripts/gpu_parallel.sh), so a suite run with and without a variable is not mixed.
+a bound, then the plans' compile times where the rows have them (every case above 2 s). A run
+variant is a queue item's own variables or layers (the files' ``_e``/``_m`` tags,
+scripts/gpu_parallel.sh), so a suite run with and without a variable is not mixed.
 
     python scripts/sweep_table.py benchmarks/results/s24_call*/gpu*/gpu*/layers_*.json
 """
@@ -44,6 +45,8 @@ def main() -> None:
     parser.add_argument("--measure", default="device",
                         choices=["device", "span", "queued", "wall"])
     parser.add_argument("--bound", type=float, default=0.97)
+    parser.add_argument("--compile-bound", type=float, default=2.0,
+                        help="seconds a plan may take to compile (issue #11: 2, cold)")
     args = parser.parse_args()
     rows = load(args.files)
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = defaultdict(list)
@@ -80,6 +83,33 @@ def main() -> None:
               f"{others}; find step xla / fused "
               + " / ".join(f"{r.get('auto_candidates_device_us', {}).get(k, math.nan):.1f}"
                            for k in ("xla", "fused")) + " us")
+
+    print_compile_costs(rows, args.compile_bound)
+
+
+def compile_seconds(row: dict[str, Any]) -> float | None:
+    """What compiling `row`'s plan cost: the forced plan's kernel step (kernel forms compiled
+    and timed) and the auto plan's choice; None where the row does not say."""
+    if "auto_compile_s" not in row:
+        return None
+    kernel = row.get("fused_compile_s", row["auto_compile_s"]).get("kernel", 0.0)
+    return kernel + row["auto_compile_s"].get("choice", 0.0)
+
+
+def print_compile_costs(rows: list[dict[str, Any]], bound: float) -> None:
+    """The plans' compile times (cold where the run began with an empty cache) and every case
+    above `bound` seconds."""
+    costs = sorted((c, r["case"]) for r in rows if (c := compile_seconds(r)) is not None)
+    if not costs:
+        return
+    values = [c for c, _ in costs]
+    print(f"\nplan compile, kernel and choice: median {values[len(values) // 2]:.2f} s, max "
+          f"{values[-1]:.2f} s ({costs[-1][1]}), {sum(c > bound for c in values)} of "
+          f"{len(values)} above {bound} s")
+    for seconds, case in reversed(costs):
+        if seconds <= bound:
+            break
+        print(f"- {case}: {seconds:.2f} s")
 
 
 if __name__ == "__main__":

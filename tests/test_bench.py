@@ -101,6 +101,9 @@ def test_a_case_reports_every_mode_against_xla(layer: str, chain: str, chained: 
         assert row[f"ratio_{mode}_wall"] == pytest.approx(row["xla_wall_us"]
                                                           / row[f"{mode}_wall_us"])
         assert row[f"{mode}_rel_error_vs_xla"] < 1e-4
+    # what compiling each plan took, by step (the auto plan's includes its choice)
+    assert set(row["fused_compile_s"]) == {"kernel"}
+    assert set(row["auto_compile_s"]) == {"kernel", "choice"}
 
 
 def test_a_plan_running_xla_s_own_program_takes_xla_s_time() -> None:

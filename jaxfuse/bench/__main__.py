@@ -96,6 +96,8 @@ def run_case(case: BenchCase, device: Any, ceilings: Any, sets: int, repeats: in
         if info.get("solver") == "xla":  # (its info still names the kernel it measured)
             row[f"{mode}_solver"] = "xla"
         row[f"{mode}_rel_error_vs_xla"] = _rel_error(run(args)[0], reference)
+        if "compile_s" in info:  # (by step; with a cold cache, what compiling costs)
+            row[f"{mode}_compile_s"] = info["compile_s"]
         if mode == "auto":
             row["auto_candidates_us"] = info.get("candidates_us", {})
             row["auto_candidates_host_us"] = info.get("candidates_host_us", {})
