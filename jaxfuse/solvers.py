@@ -135,11 +135,12 @@ _NHWC_FORM_MIN_PIXELS = 2048
 # fp32 NCHW plans: the TF32 kernels read NHWC activations and K-major filters (OHWI, or a 1x1
 # layer's own OIHW), so their form transposes both. The plans' own kernel (conv_igemm, NCHW)
 # ran ResNet-50's 3x3 layers at 0.16-0.51x XLA on four H200s (2026-11-28); with the form,
-# auto mode ran every measured fp32 NCHW suite case at 1.00-2.10x XLA by queued time (92
-# cases, batch 1 and 64; 1.03-2.10x on 3x3 and 1x1 layers at batch 64, where it had kept
-# XLA's composition) and the forced kernels 1.24x faster in geomean (same GPUs, 2026-11-28,
-# twenty-fifth session). On by default; JAXFUSE_TF32_NCHW_FORM=0 withdraws it. The find
-# step keeps it only where it agrees with the plan's own kernel and is faster.
+# auto mode ran every measured fp32 NCHW suite case at 1.00x XLA or more by queued time (92
+# cases, batch 1 and 64), 21 that it had left to XLA's composition (ResNet-50's 3x3 and 1x1
+# layers, 19 of them at batch 64) at 1.03-1.88x, and the forced kernels ran 1.24x faster in
+# geomean (same GPUs, 2026-11-28, twenty-fifth session). On by default;
+# JAXFUSE_TF32_NCHW_FORM=0 withdraws it. The find step keeps it only where it agrees with the
+# plan's own kernel and is faster.
 _TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
 # Below 2048 output pixels (batch 1 from 28x28 down) fp32 NCHW plans keep their own kernel,
 # which ran ResNet-50's 3x3 layers there at 0.17-0.33x XLA by queued time (four H200s,
@@ -205,9 +206,9 @@ def _filter_permutation(source: str, target: str) -> tuple[int, ...]:
 def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None, str | None]]:
     """The (filters, input layout) forms worth compiling for `signature` on `device` besides
     its own, see above: NCHW plans with a convolution on Hopper that the kernels which write
-    the form take (16-bit: 64-channel groups, or a few-channel stem; fp32 through TF32, where
-    switched on: 32-channel groups), with enough output pixels that the transposes are a
-    small part of the call."""
+    the form take (16-bit: 64-channel groups, or a few-channel stem; fp32 through TF32 unless
+    JAXFUSE_TF32_NCHW_FORM=0: 32-channel groups), with enough output pixels that the
+    transposes are a small part of the call."""
     c = signature.conv
     if (c is None or device.platform.lower() == "cpu"
             or signature.layout != "NCHW" or signature.filter_dtype != signature.dtype

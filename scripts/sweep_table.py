@@ -89,7 +89,8 @@ def main() -> None:
 
 def compile_seconds(row: dict[str, Any]) -> float | None:
     """What compiling `row`'s plan cost: the forced plan's kernel step (kernel forms compiled
-    and timed) and the auto plan's choice; None where the row does not say."""
+    and timed) and the auto plan's choice; None where the row does not say. (A plan the
+    process had compiled before reports that first compile's seconds.)"""
     if "auto_compile_s" not in row:
         return None
     kernel = row.get("fused_compile_s", row["auto_compile_s"]).get("kernel", 0.0)

@@ -431,3 +431,17 @@ def test_a_call_that_waits_far_past_its_device_time_is_traced(capsys) -> None:
     del quiet["stalls"]
     _probe_stalls(quiet, {"xla": program, "fused": program}, args)
     assert "stalls" not in quiet
+
+
+def test_a_stall_probe_that_fails_costs_the_row_nothing_else(monkeypatch) -> None:
+    from jaxfuse.bench import stall
+    from jaxfuse.bench.__main__ import _probe_stalls
+
+    def busy(*_: object) -> dict:
+        raise RuntimeError("Profile has already been started")
+
+    monkeypatch.setattr(stall, "awaited_timeline", busy)
+    row = {"case": "c", "fused_wall_us": 245.0, "fused_dispatch_us": 19.0,
+           "fused_device_us": 4.0, "xla_wall_us": 40.0, "xla_dispatch_us": 38.0}
+    _probe_stalls(row, {"xla": None, "fused": None}, [()])
+    assert row["stalls"]["fused"] == {"error": "RuntimeError: Profile has already been started"}

@@ -1,9 +1,10 @@
 """Fused kernels that read the input in another layout than the plan's (jaxfuse.solvers:
-kernel_forms): NCHW 16-bit plans on Hopper may run a kernel that reads their input transposed
-to NHWC, with HWIO filters, and writes NCHW itself (signature.output_layout). Which plans get
-that form, that the signature of mixed layouts travels to C++ and back, that the form computes
-the plan's result, that the find step keeps the faster form (and remembers it), and that the
-host backend refuses the form with a reason."""
+kernel_forms): NCHW plans on Hopper may run a kernel that reads their input transposed to
+NHWC, with HWIO filters (fp32 through TF32: K-major ones), and writes NCHW itself
+(signature.output_layout). Which plans get that form, that the signature of mixed layouts
+travels to C++ and back, that the form computes the plan's result, that the find step keeps
+the faster form (and remembers it), and that the host backend refuses the form with a
+reason."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ BIG = Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=
            w=32, k=24, bn_mode="per_activation")
 
 
+@pytest.fixture(autouse=True)
+def _default_forms(monkeypatch) -> None:
+    """Each test starts from the forms' defaults, whatever the run's variables say (the GPU
+    queue runs items with them set)."""
+    for variable in ("JAXFUSE_NHWC_FORM", "JAXFUSE_TF32_NCHW_FORM",
+                     "JAXFUSE_TF32_FORM_MIN_PIXELS", "JAXFUSE_TF32_KERNELS"):
+        monkeypatch.delenv(variable, raising=False)
+
+
 def _signature(case: Case):
     return case.build()[0].signature
 
@@ -50,7 +60,6 @@ def _operands(signature, seed: int = 0) -> list:
     (dataclasses.replace(BIG, ops="BNA", k=None), HOPPER, False),  # no convolution
 ])
 def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered: bool) -> None:
-    monkeypatch.delenv("JAXFUSE_TF32_NCHW_FORM", raising=False)  # (as by default)
     forms = solvers.kernel_forms(_signature(case), target)
     filters = "OHWI" if case.dtype == "float32" else "HWIO"
     assert forms == ([(filters, "NHWC")] if offered else [])
@@ -64,7 +73,6 @@ def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered:
     (dataclasses.replace(BIG, dtype="float32", n=1), []),  # 1024 pixels
 ])
 def test_fp32_plans_get_the_tf32_form_unless_switched_off(monkeypatch, case: Case, form) -> None:
-    monkeypatch.delenv("JAXFUSE_TF32_NCHW_FORM", raising=False)  # (on by default)
     assert solvers.kernel_forms(_signature(case), HOPPER) == form
     assert solvers.kernel_forms(_signature(case), AMPERE) == []
     monkeypatch.setenv("JAXFUSE_TF32_NCHW_FORM", "0")

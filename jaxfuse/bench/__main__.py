@@ -206,8 +206,10 @@ _STALL_FACTOR, _STALL_US = 3.0, 30.0
 
 
 def _probe_stalls(row: dict[str, Any], programs: dict[str, Any], args: Any) -> None:
-    """Traces one awaited call of each kernel program whose wait past its return dwarfs its
-    device time (and XLA's program beside it), into ``row["stalls"]`` and the log."""
+    """Traces one awaited call of each jaxfuse program (the forced kernel's, auto mode's
+    unless a twin) whose wait past its return dwarfs its device time, and of XLA's program
+    beside it, into ``row["stalls"]`` and the log. A probe that fails (a profiler already
+    running, no trace written) records its error and costs the row nothing else."""
     stalled = [mode for mode in programs if mode != "xla" and f"{mode}_device_us" in row
                and row[f"{mode}_wall_us"] - row[f"{mode}_dispatch_us"]
                > _STALL_FACTOR * row[f"{mode}_device_us"] + _STALL_US]
@@ -215,10 +217,15 @@ def _probe_stalls(row: dict[str, Any], programs: dict[str, Any], args: Any) -> N
         return
     row["stalls"] = {}
     for mode in ["xla", *stalled]:
-        row["stalls"][mode] = timeline = stall.awaited_timeline(programs[mode], args)
-        print(f"stall probe, {row['case']}, {mode}: wall {row[f'{mode}_wall_us']:.1f} "
-              f"dispatch {row[f'{mode}_dispatch_us']:.1f} us/op\n{stall.describe(timeline)}",
-              flush=True)
+        try:
+            timeline = stall.awaited_timeline(programs[mode], args)
+        except Exception as err:  # a diagnostic: never the sweep's end
+            row["stalls"][mode] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        row["stalls"][mode] = timeline
+        print(f"stall probe, {row['case']}, {mode} ({len(args)} ops a call): wall "
+              f"{row[f'{mode}_wall_us']:.1f} dispatch {row[f'{mode}_dispatch_us']:.1f} us/op\n"
+              f"{stall.describe(timeline)}", flush=True)
 
 
 def _handler_stats() -> dict[str, float]:

@@ -1,12 +1,12 @@
 """Where an awaited call's time goes once it has returned: the timeline of one call.
 
 The layer benchmark's wall column (one call of K ops, awaited) put a fused program far behind
-its device time in a few rows of each sweep (four H200s, 2026-11-28: up to about 245 us an op
-against 3-11 us of device time, in 2-23% of the fused rows of a run, never the same rows
-twice). With ``--probe-stalls`` the benchmark calls :func:`awaited_timeline` on such a
-program, in the same process: the return and ready times of ten awaited calls of it alone,
-and every host and device event of one awaited call relative to its start (the graph launch,
-the kernels, the wait for the results)."""
+its device time in a few rows of each sweep (four H200s, 2026-11-28: up to about 0.5 ms an
+op past the call's return, against 3-100 us an op on the device, in 2-23% of the fused rows
+of a run, never the same rows twice). With ``--probe-stalls`` the benchmark calls
+:func:`awaited_timeline` on such a program, in the same process: the return and ready times
+of ten awaited calls of it alone, and every host and device event of one awaited call
+relative to its start (the graph launch, the kernels, the wait for the results)."""
 
 from __future__ import annotations
 
@@ -44,13 +44,16 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
     results: ``[start, end]`` each)."""
     from jax.profiler import ProfileData
 
-    runs = awaited_runs(program, args)
+    runs = [[round(r, 1), round(w, 1)] for r, w in awaited_runs(program, args)]
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             for _ in range(calls):
                 with jax.profiler.TraceAnnotation(_MARK):
                     jax.block_until_ready(program(args))
-        data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        if not files:
+            return {"runs_us": runs, "call_us": None, "milestones_us": None, "events": []}
+        data = ProfileData.from_file(files[0])
     events: list[tuple[str, str, int, int]] = []
     marks: list[tuple[int, int]] = []
     for plane in data.planes:
@@ -67,7 +70,7 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
                     where = "device" if on_device else line.name
                     events.append((where, e.name, e.start_ns, e.duration_ns))
     if not marks:
-        return {"runs_us": runs, "events": []}
+        return {"runs_us": runs, "call_us": None, "milestones_us": None, "events": []}
     begin, end = max(marks)
     window = sorted((e for e in events if begin <= e[2] <= end and _worth_keeping(e[1])),
                     key=lambda e: e[2])
@@ -79,7 +82,7 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
         return round((ns - begin) / 1e3, 1)
 
     return {
-        "runs_us": [[round(r, 1), round(w, 1)] for r, w in runs],
+        "runs_us": runs,
         "call_us": rel(end),
         # The call's milestones: its graph launches, its kernels, its wait for the results.
         "milestones_us": {
@@ -90,8 +93,9 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
             "wait": [rel(waits[-1][2]), rel(waits[-1][2] + waits[-1][3])] if waits else None,
         },
         "events": [[where, name[:60], rel(start), round(dur / 1e3, 1)]
-                   for where, name, start, dur in (window[:limit // 2] + window[-limit // 2:]
-                                                   if len(window) > limit else window)],
+                   for where, name, start, dur in (
+                       window[:limit // 2] + window[len(window) - limit // 2:]
+                       if len(window) > limit else window)],
     }
 
 
@@ -103,7 +107,7 @@ def _worth_keeping(name: str) -> bool:
 
 def describe(timeline: dict[str, Any], top: int = 12) -> str:
     """A few lines for the log: the runs and the longest events of the call."""
-    lines = [f"  awaited runs (returned/ready us): {timeline['runs_us']}",
+    lines = [f"  awaited calls of K ops (returned/ready us): {timeline['runs_us']}",
              f"  traced call: {timeline.get('call_us')} us; from its start (us): "
              f"{timeline.get('milestones_us')}"]
     longest = sorted(timeline["events"], key=lambda e: -e[3])[:top]
