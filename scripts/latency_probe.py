@@ -16,45 +16,35 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import statistics
-import tempfile
 import time
 
 import jax
 
 from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
-from jaxfuse.bench.timing import exposed_ns, wall_times_interleaved
+from jaxfuse.bench.timing import exposed_ns, traced_events, wall_times_interleaved
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
     """Per-call host event times by name and device kernel statistics, from one trace of
     back-to-back calls (every output kept, or each dropped once the next call is queued)."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            jax.block_until_ready(back_to_back(fn, args, calls, keep_outputs))
-        data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
+    events = traced_events(
+        lambda: jax.block_until_ready(back_to_back(fn, args, calls, keep_outputs)), host=True)
     host: dict[str, list[float]] = collections.defaultdict(list)
     device: dict[str, list[float]] = collections.defaultdict(list)
-    span = [float("inf"), 0.0]  # first kernel's start, last kernel's end
     intervals = []
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU"):
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    for e in line.events:
-                        device[e.name].append(e.duration_ns)
-                        intervals.append((e.start_ns, e.duration_ns, e.name))
-                        span = [min(span[0], e.start_ns), max(span[1], e.end_ns)]
-        elif plane.name.startswith("/host:"):
-            for line in plane.lines:
-                for e in line.events:
-                    host[e.name].append(e.duration_ns)
+    for where, name, start, duration in events:
+        if where == "device":
+            device[name].append(duration)
+            intervals.append((start, duration, name))
+        else:
+            host[name].append(duration)
+    # first kernel's start, last kernel's end
+    span = [min((i[0] for i in intervals), default=0),
+            max((i[0] + i[1] for i in intervals), default=0)]
     exposed = exposed_by_name(intervals)
 
     def top(events: dict[str, list[float]], count: int) -> list[tuple[str, float, float]]:

@@ -12,30 +12,20 @@ Writes <out>/plain.hlo, <out>/<solver>.hlo, <out>/kernels.txt (also printed) and
 from __future__ import annotations
 
 import argparse
-import glob
-import tempfile
 from pathlib import Path
 
 import jax
 
 from jaxfuse import fuse
 from jaxfuse.bench.end_to_end import MODELS, model_inputs
-from jaxfuse.bench.timing import device_time_per_op
+from jaxfuse.bench.timing import device_time_per_op, traced_events
 
 
 def launches(program, args) -> list[tuple[str, float]]:
     """One forward's kernels in the order they ran, with their durations in microseconds."""
-    from jax.profiler import ProfileData
-
     jax.block_until_ready(program(*args))
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            jax.block_until_ready(program(*args))
-        data = ProfileData.from_file(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)[0])
-    events = [(e.start_ns, e.name, e.duration_ns / 1e3) for plane in data.planes
-              if plane.name.startswith("/device:GPU") for line in plane.lines
-              if line.name.startswith("Stream") for e in line.events]
-    return [(name, us) for _, name, us in sorted(events)]
+    events = traced_events(lambda: jax.block_until_ready(program(*args)))
+    return [(name, duration / 1e3) for _, name, _, duration in sorted(events, key=lambda e: e[2])]
 
 
 def main() -> None:

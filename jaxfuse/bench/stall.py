@@ -10,13 +10,13 @@ relative to its start (the graph launch, the kernels, the wait for the results).
 
 from __future__ import annotations
 
-import glob
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from .timing import traced_events
 
 _MARK = "jaxfuse_awaited_call"
 
@@ -42,34 +42,17 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
     start (``where``: ``"device"`` or the host thread's name; the first and last `limit` / 2
     where there are more), with its milestones (graph launches, kernels, the wait for its
     results: ``[start, end]`` each)."""
-    from jax.profiler import ProfileData
-
     runs = [[round(r, 1), round(w, 1)] for r, w in awaited_runs(program, args)]
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            for _ in range(calls):
-                with jax.profiler.TraceAnnotation(_MARK):
-                    jax.block_until_ready(program(args))
-        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
-        if not files:
-            return {"runs_us": runs, "call_us": None, "milestones_us": None, "events": []}
-        data = ProfileData.from_file(files[0])
-    events: list[tuple[str, str, int, int]] = []
-    marks: list[tuple[int, int]] = []
-    for plane in data.planes:
-        on_device = plane.name.startswith("/device:GPU")
-        if not (on_device or plane.name.startswith("/host:")):
-            continue
-        for line in plane.lines:
-            if on_device and not line.name.startswith("Stream"):
-                continue
-            for e in line.events:
-                if e.name == _MARK:
-                    marks.append((e.start_ns, e.end_ns))
-                else:
-                    where = "device" if on_device else line.name
-                    events.append((where, e.name, e.start_ns, e.duration_ns))
-    if not marks:
+
+    def awaited_calls() -> None:
+        for _ in range(calls):
+            with jax.profiler.TraceAnnotation(_MARK):
+                jax.block_until_ready(program(args))
+
+    traced = traced_events(awaited_calls, host=True)
+    marks = [(start, start + duration) for _, name, start, duration in traced if name == _MARK]
+    events = [e for e in traced if e[1] != _MARK]
+    if not marks:  # (no trace written)
         return {"runs_us": runs, "call_us": None, "milestones_us": None, "events": []}
     begin, end = max(marks)
     window = sorted((e for e in events if begin <= e[2] <= end and _worth_keeping(e[1])),

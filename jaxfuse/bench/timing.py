@@ -243,24 +243,35 @@ Kernel = tuple[int, int, str]  # start ns, duration ns, name
 
 def _traced_kernels(run: Callable[[], None]) -> list[Kernel]:
     """The GPU kernels `run` launches, from a profiler trace, sorted by start."""
+    return sorted((start, duration, name) for _, name, start, duration in traced_events(run))
+
+
+def traced_events(run: Callable[[], None], host: bool = False
+                  ) -> list[tuple[str, str, int, int]]:
+    """``(where, name, start ns, duration ns)`` of the events of a profiler trace of `run`:
+    the GPU kernels (where ``"device"``) and, with `host`, the host threads' events (where:
+    the thread's name). Empty where the profiler wrote no trace."""
     from jax.profiler import ProfileData
 
-    kernels: list[Kernel] = []
+    events: list[tuple[str, str, int, int]] = []
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             run()
         files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
         if not files:
-            return kernels
+            return events
         data = ProfileData.from_file(files[0])
         for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
+            on_device = plane.name.startswith("/device:GPU")
+            if not (on_device or (host and plane.name.startswith("/host:"))):
                 continue
             for line in plane.lines:
                 # Stream lines hold the kernels; "XLA Ops"/"XLA Modules" lines repeat them.
-                if line.name.startswith("Stream"):
-                    kernels += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-    return sorted(kernels)
+                if on_device and not line.name.startswith("Stream"):
+                    continue
+                where = "device" if on_device else line.name
+                events += [(where, e.name, e.start_ns, e.duration_ns) for e in line.events]
+    return events
 
 
 def _split(kernels: Sequence[Kernel], count: int, min_gap_ns: float
