@@ -8,7 +8,8 @@ counted (tensor-core, bulk-copy, local-memory and 16-byte memory instructions).
     python scripts/kernel_report.py --suite resnet50_net --layout NCHW --dtype float32 --form
 
 (`--form`: the kernels of NCHW plans' NHWC form, jaxfuse.solvers.kernel_forms, whatever the
-variables that switch forms on or off, or move their bounds, say.)
+variables that switch forms on or off say; JAXFUSE_TF32_FORM_MIN_PIXELS=0 shows the fp32 form
+below its bound, at batch 1.)
 
 Needs nvcc from a CUDA toolkit ($CUDA_HOME, else /usr/local/cuda) and cuobjdump (the
 toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
@@ -60,8 +61,7 @@ def report(case: Case, arch: str, form: bool = False) -> None:
     if form:  # the form jaxfuse.solvers.kernel_forms offers on Hopper by default
         from jaxfuse import solvers
 
-        for variable in ("JAXFUSE_NHWC_FORM", "JAXFUSE_TF32_NCHW_FORM",
-                         "JAXFUSE_TF32_FORM_MIN_PIXELS"):
+        for variable in ("JAXFUSE_NHWC_FORM", "JAXFUSE_TF32_NCHW_FORM"):
             os.environ.pop(variable, None)
         hopper = types.SimpleNamespace(platform="gpu", compute_capability="9.0")
         forms = solvers.kernel_forms(signature, hopper)
