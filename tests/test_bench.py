@@ -418,7 +418,8 @@ def test_a_call_that_waits_far_past_its_device_time_is_traced(capsys) -> None:
     row = {"case": "c", "xla_wall_us": 40.0, "xla_dispatch_us": 38.0, "xla_device_us": 5.0,
            "fused_wall_us": 245.0, "fused_dispatch_us": 19.0, "fused_device_us": 4.0}
     _probe_stalls(row, {"xla": program, "fused": program}, args)
-    assert set(row["stalls"]) == {"xla", "fused"}  # (XLA's beside it, for comparison)
+    assert set(row["stalls"]) == {"xla", "fused", "control"}  # (XLA's beside it, a control)
+    assert len(row["stalls"]["control"]["runs_us"]) == 10
     timeline = row["stalls"]["fused"]
     assert len(timeline["runs_us"]) == 10
     assert all(ready >= returned for returned, ready in timeline["runs_us"])
@@ -445,3 +446,4 @@ def test_a_stall_probe_that_fails_costs_the_row_nothing_else(monkeypatch) -> Non
            "fused_device_us": 4.0, "xla_wall_us": 40.0, "xla_dispatch_us": 38.0}
     _probe_stalls(row, {"xla": None, "fused": None}, [()])
     assert row["stalls"]["fused"] == {"error": "RuntimeError: Profile has already been started"}
+    assert "error" in row["stalls"]["control"]  # (no program to run beside it either)

@@ -35,6 +35,12 @@ def awaited_runs(program: Callable[[Any], Any], args: Any, calls: int = 10
     return runs
 
 
+def control_program() -> Callable[[Any], Any]:
+    """XLA's program for a call's input sets that scales each set's first input: one small
+    kernel, dispatched about as fast as a fused program, against which a stall is judged."""
+    return jax.jit(lambda sets: [operands[0] * 2 for operands in sets])
+
+
 def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
                      limit: int = 120) -> dict[str, Any]:
     """Awaited runs' times, then a profiler trace of `calls` awaited calls, and the events of
