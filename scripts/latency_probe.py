@@ -24,7 +24,7 @@ import jax
 
 from jaxfuse import fuse, fusion_report
 from jaxfuse.bench.end_to_end import MODELS, back_to_back, forward_seconds, model_inputs
-from jaxfuse.bench.timing import exposed_ns, traced_events, wall_times_interleaved
+from jaxfuse.bench.timing import exposed_ns, span_ns, traced_events, wall_times_interleaved
 
 
 def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
@@ -42,9 +42,6 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
             intervals.append((start, duration, name))
         else:
             host[name].append(duration)
-    # first kernel's start, last kernel's end
-    span = [min((i[0] for i in intervals), default=0),
-            max((i[0] + i[1] for i in intervals), default=0)]
     exposed = exposed_by_name(intervals)
 
     def top(events: dict[str, list[float]], count: int) -> list[tuple[str, float, float]]:
@@ -59,7 +56,7 @@ def trace_summary(fn, args, calls: int, keep_outputs: bool = True) -> dict:
         "kernel_busy_us_per_call": sum(map(sum, exposed.values())) / calls / 1e3,
         # The device's period a call, gaps included: near the wall time when the device is
         # what limits back-to-back calls.
-        "device_span_us_per_call": max(span[1] - span[0], 0) / calls / 1e3,
+        "device_span_us_per_call": span_ns(sorted(i[:2] for i in intervals)) / calls / 1e3,
         "graph_launches_per_call": sum(len(v) for k, v in host.items()
                                        if "GraphLaunch" in k) / calls,
         "host_top": top(host, 18),

@@ -229,11 +229,11 @@ def _probe_stalls(row: dict[str, Any], programs: dict[str, Any], args: Any) -> N
     # A control: XLA's own program that dispatches as fast and barely uses the device. Its
     # wait past its return is the host learning of a completion, whoever's program it is.
     try:
-        control = stall.awaited_runs(stall.control_program(), args)
+        row["stalls"]["control"] = {
+            "runs_us": stall.awaited_runs(stall.control_program(), args)}
     except Exception as err:  # (as above)
         row["stalls"]["control"] = {"error": f"{type(err).__name__}: {err}"}
         return
-    row["stalls"]["control"] = {"runs_us": [[round(r, 1), round(w, 1)] for r, w in control]}
     print(f"  control (XLA, one tiny kernel a call): {row['stalls']['control']['runs_us']}",
           flush=True)
 

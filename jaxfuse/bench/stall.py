@@ -22,15 +22,15 @@ _MARK = "jaxfuse_awaited_call"
 
 
 def awaited_runs(program: Callable[[Any], Any], args: Any, calls: int = 10
-                 ) -> list[tuple[float, float]]:
-    """(returned, ready) microseconds of `calls` awaited calls, each from its start."""
+                 ) -> list[list[float]]:
+    """[returned, ready] microseconds (to 0.1) of `calls` awaited calls, each from its start."""
     runs = []
     for _ in range(calls):
         start = time.perf_counter()
         out = program(args)
         returned = time.perf_counter() - start
         jax.block_until_ready(out)
-        runs.append((returned * 1e6, (time.perf_counter() - start) * 1e6))
+        runs.append([round(returned * 1e6, 1), round((time.perf_counter() - start) * 1e6, 1)])
         del out
     return runs
 
@@ -48,7 +48,7 @@ def awaited_timeline(program: Callable[[Any], Any], args: Any, calls: int = 4,
     start (``where``: ``"device"`` or the host thread's name; the first and last `limit` / 2
     where there are more), with its milestones (graph launches, kernels, the wait for its
     results: ``[start, end]`` each)."""
-    runs = [[round(r, 1), round(w, 1)] for r, w in awaited_runs(program, args)]
+    runs = awaited_runs(program, args)
 
     def awaited_calls() -> None:
         for _ in range(calls):
