@@ -58,7 +58,8 @@ class CompiledPlan:
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
     # Wall seconds compiling took, by step: "kernel" (generating, compiling and tuning the
-    # fused kernel, or finding it in the caches) and "choice" (measuring the candidates);
+    # fused kernel, or finding it in the caches; every form of it), "forms" (timing its forms
+    # against each other, where it has several) and "choice" (measuring the candidates);
     # plans compiled concurrently (jaxfuse.fuse) include their waits for each other's
     # measurements, which take the device one at a time.
     seconds: tuple[tuple[str, float], ...] = ()
@@ -176,9 +177,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     common = {"signature": signature, "platform": platform, "device_id": device.id, "mode": mode}
     if mode == XLA:
         return CompiledPlan(kernel=XLA, **common)
-    start = time.perf_counter()
     try:
-        fused = _prepare(signature, device)
+        fused, seconds = _prepare(signature, device)
     except FusionError as err:
         if mode == "fused":
             raise
@@ -187,14 +187,13 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
                      signature.describe(), err)
         return CompiledPlan(kernel=XLA, failures=(("fused", str(err)),), decided="fallback",
                             **common)
-    prepared = time.perf_counter()
     common.update(details=fused.details, fused_kernel=fused.label, filters=fused.filters,
                   input_layout=fused.input_layout)
     if mode == "fused":
-        return CompiledPlan(kernel=fused.solver, seconds=(("kernel", prepared - start),),
-                            **common)
+        return CompiledPlan(kernel=fused.solver, seconds=seconds, **common)
+    prepared = time.perf_counter()
     decision = find.choose(signature, device, fused)
-    seconds = (("kernel", prepared - start), ("choice", time.perf_counter() - prepared))
+    seconds += (("choice", time.perf_counter() - prepared),)
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
                         times_us=decision.times_us, device_us=decision.device_us,
                         host_us=decision.host_us,
@@ -202,14 +201,21 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
                         decided=decision.origin, seconds=seconds, **common)
 
 
-def _prepare(signature: PlanSignature, device: Any) -> FusedKernel:
+def _prepare(signature: PlanSignature, device: Any
+             ) -> tuple[FusedKernel, tuple[tuple[str, float], ...]]:
     """The fused kernel for `signature`: of several forms (jaxfuse.solvers.prepare_forms),
-    the fastest measured."""
+    the fastest measured; and the seconds its steps took (see CompiledPlan.seconds)."""
+    start = time.perf_counter()
     forms = prepare_forms(signature, device)
-    fused = forms[0] if len(forms) == 1 else find.fastest_form(signature, device, forms)
+    seconds: tuple[tuple[str, float], ...] = (("kernel", time.perf_counter() - start),)
+    fused = forms[0]
+    if len(forms) > 1:
+        timed = time.perf_counter()
+        fused = find.fastest_form(signature, device, forms)
+        seconds += (("forms", time.perf_counter() - timed),)
     if device.platform.lower() != "cpu":
         _warn_once_if_disk_cache_off(extension().gpu_cache(keys=False)["problem"])
-    return fused
+    return fused, seconds
 
 
 _warned_cache_problem = False

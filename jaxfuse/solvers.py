@@ -142,21 +142,11 @@ _NHWC_FORM_MIN_PIXELS = 2048
 # JAXFUSE_TF32_NCHW_FORM=0 withdraws it. The find step keeps it only where it agrees with the
 # plan's own kernel and is faster.
 _TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
-# Below 2048 output pixels (batch 1 from 28x28 down) fp32 NCHW plans keep their own kernel,
-# which ran ResNet-50's 3x3 layers there at 0.17-0.33x XLA by queued time (four H200s,
-# 2026-11-28), so auto mode keeps XLA's composition; the NHWC plans' TF32 split-K kernels
-# ran the same layers at 1.44-2.23x. Whether the form's two transposes leave a gain at that
-# size is for a sweep to say: JAXFUSE_TF32_FORM_MIN_PIXELS=0 offers it at any size.
-_TF32_FORM_MIN_PIXELS_VARIABLE = "JAXFUSE_TF32_FORM_MIN_PIXELS"
-
-
-def _tf32_form_min_pixels() -> int:
-    """The fewest output pixels (batch x height x width) an fp32 NCHW plan is offered its
-    TF32 NHWC form at."""
-    try:
-        return int(os.environ.get(_TF32_FORM_MIN_PIXELS_VARIABLE, _NHWC_FORM_MIN_PIXELS))
-    except ValueError:
-        return _NHWC_FORM_MIN_PIXELS
+# At every size: below 2048 output pixels (ResNet-50 from 28x28 down at batch 1) the plans'
+# own kernel ran the 3x3 layers at 0.17-0.33x XLA, so auto mode kept XLA's composition; with
+# the form (split-K TF32 kernels there) auto mode ran every fp32 NCHW suite case at batch 1 at
+# 1.11x XLA or more, the 22 it had left to XLA at 1.12-2.16x, and none more than noise slower
+# than without it (80 cases by queued time, two H200s, 2026-11-28, twenty-sixth session).
 
 
 def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
@@ -207,8 +197,8 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
     """The (filters, input layout) forms worth compiling for `signature` on `device` besides
     its own, see above: NCHW plans with a convolution on Hopper that the kernels which write
     the form take (16-bit: 64-channel groups, or a few-channel stem; fp32 through TF32 unless
-    JAXFUSE_TF32_NCHW_FORM=0: 32-channel groups), with enough output pixels that the
-    transposes are a small part of the call."""
+    JAXFUSE_TF32_NCHW_FORM=0: 32-channel groups, at any size), 16-bit ones with enough output
+    pixels that the transposes are a small part of the call."""
     c = signature.conv
     if (c is None or device.platform.lower() == "cpu"
             or signature.layout != "NCHW" or signature.filter_dtype != signature.dtype
@@ -218,8 +208,7 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
     _, p, q = signature.output_chw
     pixels = signature.batch * p * q
     if signature.dtype == np.float32:
-        if (os.environ.get(_TF32_FORM_VARIABLE) == "0" or not _tf32_on_hopper(signature, device)
-                or pixels < _tf32_form_min_pixels()):
+        if os.environ.get(_TF32_FORM_VARIABLE) == "0" or not _tf32_on_hopper(signature, device):
             return []
         one_tap = c.filter_h == c.filter_w == 1
         return [("OIHW" if one_tap and c.filter_layout == "OIHW" else "OHWI", "NHWC")]

@@ -8,8 +8,7 @@ counted (tensor-core, bulk-copy, local-memory and 16-byte memory instructions).
     python scripts/kernel_report.py --suite resnet50_net --layout NCHW --dtype float32 --form
 
 (`--form`: the kernels of NCHW plans' NHWC form, jaxfuse.solvers.kernel_forms, whatever the
-variables that switch forms on or off say; JAXFUSE_TF32_FORM_MIN_PIXELS=0 shows the fp32 form
-below its bound, at batch 1.)
+variables that switch forms on or off say.)
 
 Needs nvcc from a CUDA toolkit ($CUDA_HOME, else /usr/local/cuda) and cuobjdump (the
 toolkit's, one on PATH, or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).

@@ -640,8 +640,8 @@ def test_the_nhwc_form_compiles_every_variant(case: Case) -> None:
           h=7, w=7, r=1, s=1, padding="VALID"), "OIHW"),
     (Case(ops="CBN", dtype="float32", layout="NCHW", filter_layout="OIHW", c=64, k=256, n=1,
           h=56, w=56, r=1, s=1, padding="VALID", bn_mode="per_activation"), "OIHW"),
-    # batch 1 below the form's default bound (JAXFUSE_TF32_FORM_MIN_PIXELS=0): the split-K
-    # variants' NCHW stores from a cluster's reduction
+    # batch 1 (below 2048 output pixels): the split-K variants' NCHW stores from a cluster's
+    # reduction
     (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=256, k=256, n=1,
           h=14, w=14), "OHWI"),
     (Case(ops="CBNA", dtype="float32", layout="NCHW", filter_layout="OIHW", c=512, k=512, n=1,

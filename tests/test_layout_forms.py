@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from cases import Case
 
-from jaxfuse import find, solvers
+from jaxfuse import compiled, find, solvers
 from jaxfuse._extension import extension
 from jaxfuse.measure import TIMING_SCALARS, random_operands
 from jaxfuse.reference import reference_float64, unfused
@@ -35,8 +35,7 @@ BIG = Case(ops="CBNSA", dtype="float16", layout="NCHW", filter_layout="OIHW", n=
 def _default_forms(monkeypatch) -> None:
     """Each test starts from the forms' defaults, whatever the run's variables say (the GPU
     queue runs items with them set)."""
-    for variable in ("JAXFUSE_NHWC_FORM", "JAXFUSE_TF32_NCHW_FORM",
-                     "JAXFUSE_TF32_FORM_MIN_PIXELS", "JAXFUSE_TF32_KERNELS"):
+    for variable in ("JAXFUSE_NHWC_FORM", "JAXFUSE_TF32_NCHW_FORM", "JAXFUSE_TF32_KERNELS"):
         monkeypatch.delenv(variable, raising=False)
 
 
@@ -70,7 +69,7 @@ def test_which_plans_get_the_nhwc_form(monkeypatch, case: Case, target, offered:
     (dataclasses.replace(BIG, dtype="float32", r=1, s=1, padding="VALID"), [("OIHW", "NHWC")]),
     (dataclasses.replace(BIG, dtype="float32", precision="highest"), []),  # no TF32
     (dataclasses.replace(BIG, dtype="float32", c=48, k=48), []),  # 32-channel k-tiles
-    (dataclasses.replace(BIG, dtype="float32", n=1), []),  # 1024 pixels
+    (dataclasses.replace(BIG, dtype="float32", n=1), [("OHWI", "NHWC")]),  # at any size
 ])
 def test_fp32_plans_get_the_tf32_form_unless_switched_off(monkeypatch, case: Case, form) -> None:
     assert solvers.kernel_forms(_signature(case), HOPPER) == form
@@ -82,17 +81,12 @@ def test_fp32_plans_get_the_tf32_form_unless_switched_off(monkeypatch, case: Cas
     assert solvers.kernel_forms(_signature(case), HOPPER) == []
 
 
-def test_small_fp32_plans_get_the_tf32_form_below_its_pixel_bound(monkeypatch) -> None:
-    """JAXFUSE_TF32_FORM_MIN_PIXELS moves the fp32 form's bound (batch 1 of a 32x32 layer
-    is 1024 pixels), and the 16-bit forms' bound stays."""
-    small32 = _signature(dataclasses.replace(BIG, dtype="float32", n=1))
-    small16 = _signature(dataclasses.replace(BIG, n=1))
-    assert solvers.kernel_forms(small32, HOPPER) == []
-    monkeypatch.setenv("JAXFUSE_TF32_FORM_MIN_PIXELS", "0")
-    assert solvers.kernel_forms(small32, HOPPER) == [("OHWI", "NHWC")]
-    assert solvers.kernel_forms(small16, HOPPER) == []
-    monkeypatch.setenv("JAXFUSE_TF32_FORM_MIN_PIXELS", "lots")  # (not a number: the default)
-    assert solvers.kernel_forms(small32, HOPPER) == []
+def test_only_16_bit_plans_need_enough_pixels_for_the_form() -> None:
+    """Batch 1 of a 32x32 layer is 1024 output pixels: the fp32 form (split-K TF32 kernels
+    there) is offered, the 16-bit one is not."""
+    assert solvers.kernel_forms(_signature(dataclasses.replace(BIG, dtype="float32", n=1)),
+                                HOPPER) == [("OHWI", "NHWC")]
+    assert solvers.kernel_forms(_signature(dataclasses.replace(BIG, n=1)), HOPPER) == []
 
 
 def test_a_1x1_tf32_form_reads_the_plan_s_own_filters(monkeypatch) -> None:
@@ -294,3 +288,19 @@ def test_a_form_that_disagrees_is_not_kept(monkeypatch) -> None:
     assert find._time_forms(signature, cpu, kernels) == {"own": 1.0}
     outputs["NHWC"] = jnp.ones((2, 3))
     assert find._time_forms(signature, cpu, kernels) == {"own": 1.0, "form, NHWC input": 1.0}
+
+
+def test_a_plan_of_several_forms_reports_their_timing_as_a_step(monkeypatch) -> None:
+    """compile_s keeps the forms' timing apart from the kernel step, so that a cold sweep
+    shows the selection issue #11 bounds (forms, then the choice) on its own."""
+    own, form = solvers.FusedKernel("conv_igemm"), solvers.FusedKernel("conv_tma")
+    form = dataclasses.replace(form, input_layout="NHWC")
+    monkeypatch.setattr(compiled, "prepare_forms", lambda signature, device: [own, form])
+    monkeypatch.setattr(compiled.find, "fastest_form",
+                        lambda signature, device, kernels: kernels[1])
+    plan = compiled._compile(_signature(BIG), "cpu", jax.devices("cpu")[0], "fused")
+    assert plan.kernel == "conv_tma" and plan.input_layout == "NHWC"
+    assert [step for step, _ in plan.seconds] == ["kernel", "forms"]
+    monkeypatch.setattr(compiled, "prepare_forms", lambda signature, device: [own])
+    plan = compiled._compile(_signature(BIG), "cpu", jax.devices("cpu")[0], "fused")
+    assert [step for step, _ in plan.seconds] == ["kernel"]

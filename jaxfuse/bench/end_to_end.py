@@ -176,14 +176,16 @@ def run(model_name: str, batch: int, dtype: str, size: int, device: Any,
 
 
 def _slowest_plans(report: Any, top: int = 5) -> str:
-    """The distinct plans that took longest to compile (kernel, then choice), one line each."""
+    """The distinct plans that took longest to compile (kernel, forms, choice), one line
+    each."""
     seconds: dict[str, dict[str, float]] = {}
     for g in (*report.fused, *report.to_xla):
         seconds.setdefault(g.kernel, dict(g.compile_s))
-    lines = [f"  slowest of {len(seconds)} plans to compile (kernel + choice, wall s, waits "
-             "for other plans' measurements included):"]
+    lines = [f"  slowest of {len(seconds)} plans to compile (kernel + forms + choice, wall s, "
+             "waits for other plans' measurements included):"]
     for kernel, s in sorted(seconds.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
-        lines.append(f"    {s.get('kernel', 0):6.2f} + {s.get('choice', 0):6.2f}  {kernel[:90]}")
+        lines.append(f"    {s.get('kernel', 0):6.2f} + {s.get('forms', 0):5.2f} + "
+                     f"{s.get('choice', 0):6.2f}  {kernel[:90]}")
     return "\n".join(lines)
 
 
