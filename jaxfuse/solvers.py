@@ -140,13 +140,13 @@ _NHWC_FORM_MIN_PIXELS = 2048
 # layers, 19 of them at batch 64) at 1.03-1.88x, and the forced kernels ran 1.24x faster in
 # geomean (same GPUs, 2026-11-28, twenty-fifth session). On by default;
 # JAXFUSE_TF32_NCHW_FORM=0 withdraws it. The find step keeps it only where it agrees with the
-# plan's own kernel and is faster.
+# plan's own kernel and is faster. It is offered at every size: below 2048 output pixels
+# (ResNet-50 from 28x28 down at batch 1) the plans' own kernel ran the 3x3 layers at
+# 0.17-0.33x XLA, so auto mode kept XLA's composition; with the form (split-K TF32 kernels
+# there) auto mode ran every fp32 NCHW suite case at batch 1 at 1.11x XLA or more, the 22 it
+# had left to XLA at 1.12-2.16x, and none more than noise slower than without it (80 cases by
+# queued time, two H200s, 2026-11-28, twenty-sixth session).
 _TF32_FORM_VARIABLE = "JAXFUSE_TF32_NCHW_FORM"
-# At every size: below 2048 output pixels (ResNet-50 from 28x28 down at batch 1) the plans'
-# own kernel ran the 3x3 layers at 0.17-0.33x XLA, so auto mode kept XLA's composition; with
-# the form (split-K TF32 kernels there) auto mode ran every fp32 NCHW suite case at batch 1 at
-# 1.11x XLA or more, the 22 it had left to XLA at 1.12-2.16x, and none more than noise slower
-# than without it (80 cases by queued time, two H200s, 2026-11-28, twenty-sixth session).
 
 
 def with_filters(signature: PlanSignature, layout: str) -> PlanSignature:
@@ -205,14 +205,13 @@ def kernel_forms(signature: PlanSignature, device: Any) -> list[tuple[str | None
             or os.environ.get("JAXFUSE_NHWC_FORM") == "0"
             or str(getattr(device, "compute_capability", "")) != "9.0"):
         return []
-    _, p, q = signature.output_chw
-    pixels = signature.batch * p * q
     if signature.dtype == np.float32:
         if os.environ.get(_TF32_FORM_VARIABLE) == "0" or not _tf32_on_hopper(signature, device):
             return []
         one_tap = c.filter_h == c.filter_w == 1
         return [("OIHW" if one_tap and c.filter_layout == "OIHW" else "OHWI", "NHWC")]
-    if pixels < _NHWC_FORM_MIN_PIXELS:
+    _, p, q = signature.output_chw
+    if signature.batch * p * q < _NHWC_FORM_MIN_PIXELS:
         return []
     # (csrc/gpu/codegen.cc: WgmmaApplies' 64-channel k-tiles, StemApplies' few channels)
     per_group = signature.channels // c.groups
