@@ -10,10 +10,15 @@
 #                                                  (scripts/latency_probe.py --layer: XLA's
 #                                                   program and the plan's, SOLVER (fused) by
 #                                                   default: wall, dispatch, host events)
+#   selection_run SUITE:DTYPE:LAYOUT:BATCH[:REGEX] SECONDS
+#                                                  (python -m jaxfuse.bench.selection: each
+#                                                   plan's compile in auto mode, step by step,
+#                                                   in an empty cache of its own)
 #   queue_item [VAR=value[,VAR=value]@]KIND:ARGS SECONDS
-#                                                  (one queue item, KIND layers, models, tests
-#                                                   or probe, in a subshell with the variables
-#                                                   set and its files named apart)
+#                                                  (one queue item, KIND layers, models,
+#                                                   tests, probe or selection, in a subshell
+#                                                   with the variables set and its files named
+#                                                   apart)
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
 #                                                   TESTS_WORKERS (4) workers; "all": every
 #                                                   GPU test)
@@ -92,6 +97,7 @@ queue_item() (
     models) model_run "${work#*:}" "$2" ;;
     tests) tests_run "${work#*:}" "$2" ;;
     probe) probe_run "${work#*:}" "$2" ;;
+    selection) selection_run "${work#*:}" "$2" ;;
     *) echo "unknown queue item: $1"; exit 2 ;;
   esac
 )
@@ -107,6 +113,25 @@ probe_run() {
   rc=$?
   finished "$1" "$rc" "$start"
   grep -E "^(==|--)" "$log" | cut -c1-300
+  return $rc
+}
+
+selection_run() {
+  local suite dtype layout batch match tag cache start rc
+  IFS=: read -r suite dtype layout batch match <<< "$1"
+  tag="${suite}_${dtype}_${layout}_${batch}"
+  [[ -n $match ]] && tag+="_m$(md5sum <<< "$match" | cut -c1-6)"
+  tag+=${ITEM_TAG:-}
+  cache=$(mktemp -d)  # (cold: nothing compiled or decided before)
+  start=$(date +%s)
+  JAXFUSE_CACHE_DIR=$cache PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py -m jaxfuse.bench.selection --suite "$suite" --dtype "$dtype" --layout "$layout" \
+    --batch "$batch" ${match:+--layers "$match"} --json "$OUT/selection_$tag.json" \
+    > "$OUT/selection_$tag.log" 2>&1
+  rc=$?
+  rm -rf "$cache"
+  finished "$1" "$rc" "$start"
+  grep -v -E "^(W|I)[0-9]{4}" "$OUT/selection_$tag.log" | tail -60
   return $rc
 }
 

@@ -28,7 +28,7 @@ if shutil.which("bash") is None or shutil.which("md5sum") is None:
 def _queue_item(tmp_path: Path, item: str, **env: str) -> tuple[int, str, dict[str, str]]:
     """Runs `queue_item ITEM 60` with the stand-in; its status, output and files' texts."""
     stub = tmp_path / "stub"
-    stub.write_text(STUB)
+    stub.write_text(env.pop("STUB_SCRIPT", STUB))
     stub.chmod(0o755)
     out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"  # (a folder per call)
     out.mkdir()
@@ -67,6 +67,18 @@ def test_a_layer_item_may_name_its_layers(tmp_path) -> None:
 def test_malformed_and_unknown_items_are_refused(tmp_path, item: str) -> None:
     rc, printed, files = _queue_item(tmp_path, item)
     assert rc == 2 and "queue item" in printed and not files
+
+
+def test_a_selection_item_profiles_a_suite_in_an_empty_cache(tmp_path) -> None:
+    stub = "#!/bin/bash\necho \"args: $*\"\nls -A \"$JAXFUSE_CACHE_DIR\" | wc -l\n"
+    rc, printed, files = _queue_item(tmp_path, "selection:resnet50_net:float32:NCHW:256:^r50n_7",
+                                     STUB_SCRIPT=stub)
+    assert rc == 0 and "exit 0" in printed
+    [(name, log)] = [(n, t) for n, t in files.items() if n.startswith("selection_")]
+    assert name.startswith("selection_resnet50_net_float32_NCHW_256_m")
+    assert ("-m jaxfuse.bench.selection --suite resnet50_net --dtype float32 --layout NCHW "
+            "--batch 256 --layers ^r50n_7 --json") in log
+    assert log.splitlines()[-1].strip() == "0"  # (the cache it was given was empty)
 
 
 def test_a_cut_item_s_status_comes_back(tmp_path) -> None:
