@@ -94,6 +94,9 @@ class TensorDesc:
         if not isinstance(layout, str):
             raise TypeError(f"layout must be a string, got {layout!r}")
         layout = layout.upper()
+        if layout in DATA_LAYOUTS + FILTER_LAYOUTS and len(dims) != len(layout):
+            raise ValueError(f"shape {dims} has {len(dims)} dimensions; layout {layout!r} "
+                             f"describes {len(layout)}-D tensors")
         if layout and (len(layout) != len(dims) or layout not in DATA_LAYOUTS + FILTER_LAYOUTS):
             raise ValueError(
                 f"layout {layout!r} does not describe a {len(dims)}-D tensor; expected one of "

@@ -173,6 +173,10 @@ def _run(x: Any, *, w: Any = None, conv: ConvDesc | None = None, filter_layout: 
     ops = ("C" if w is not None else "") + ("B" if bias is not None else "") + \
           ("N" if bn is not None else "") + ("S" if side is not None else "") + \
           ("A" if activation is not None else "")
+    if activation is not None and not isinstance(activation, (str, ActivationMode)):
+        raise TypeError(f"activation must be an activation mode name or a "
+                        f"jaxfuse.ActivationMode, got {activation!r} (jaxfuse.flax's layers "
+                        "take jax functions such as jax.nn.relu)")
     x_desc = TensorDesc.like(x, layout)
     w_desc = TensorDesc.like(w, filter_layout) if w is not None else None
     act = None if activation is None else str(ActivationMode(activation) if isinstance(

@@ -35,6 +35,8 @@ def test_error_hierarchy() -> None:
     ((1, 4, 8, 8), "float64", "NCHW", TypeError, "float64 is not supported"),
     ((1, 4, 8, 8), "int32", "NCHW", TypeError, "int32 is not supported"),
     ((1, 4, 8, 8), "float32", "NCWH", ValueError, "layout"),
+    ((2, 8, 8), "float32", "NHWC", ValueError,
+     r"shape \(2, 8, 8\) has 3 dimensions; layout 'NHWC' describes 4-D tensors"),
     ((1, 4, 8, 8), "float32", "OIHW", jf.UnsupportedFusionError, "NCHW or NHWC"),
     ((1, 0, 8, 8), "float32", "NCHW", jf.FusionError, "empty"),
     ((1, -4, 8, 8), "float32", "NCHW", ValueError, "negative"),

@@ -197,10 +197,12 @@ X2, W2 = (2, 4, 9, 8), (6, 4, 3, 3)
     (X2, W2, {"precision": lax.DotAlgorithmPreset.F32_F32_F32}, ValueError,
      "is not a lax precision"),
     (X2, W2, {"precision": (P.HIGH,)}, ValueError, "is not a lax precision"),
+    (X2, W2, {"activation": jax.nn.relu}, TypeError,
+     "activation must be an activation mode name or a jaxfuse.ActivationMode, got <"),
 ], ids=["1-D", "1-D, default layouts", "3-D", "3-D layouts", "lhs_dilation",
         "batch_group_count", "preferred float16", "preferred int32", "preferred nonsense",
         "out_sharding", "CAUSAL", "int strides", "3 dilations", "dot algorithm",
-        "1 precision in a tuple"])
+        "1 precision in a tuple", "a jax function as the activation"])
 def test_what_does_not_fuse_is_refused_by_name(x_shape, w_shape, kwargs, exc, match) -> None:
     x, w = jnp.ones(x_shape), jnp.ones(w_shape)
     for call in (lambda: jf.conv_bias_activation(x, w, **kwargs),

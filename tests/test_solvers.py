@@ -675,13 +675,35 @@ def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
                 device_us=(("fused", 21.2), ("xla", 19.0)),
                 host_us=(("fused", 4.1), ("xla", 33.3)))
     cpu = group(times_us=(("fused", 30.0), ("xla", 25.0)))
+    # Faster, but within the CPU's margin; and faster beyond it, kept by the program's choice
+    close = group(times_us=(("fused", 23.0), ("xla", 25.0)))
+    program = group(times_us=(("fused", 20.0), ("xla", 25.0)))
     forced = group()
     jaxpr = jax.make_jaxpr(lambda x: x)(1.0)
-    lines = FusionReport((), (), jaxpr, to_xla=(gpu, cpu, forced)).summary().splitlines()
+    lines = FusionReport((), (), jaxpr, to_xla=(gpu, cpu, close, program, forced)
+                         ).summary().splitlines()
     assert lines[1].endswith("XLA chosen by measurement (device 19.0 us vs 21.2 us fused; "
                              "launch work 33.3 us vs 4.1 us)"), lines
     assert lines[2].endswith("XLA chosen by measurement (25.0 us vs 30.0 us fused)"), lines
-    assert lines[3].endswith(": XLA chosen"), lines
+    assert lines[3].endswith("(25.0 us vs 23.0 us fused: not the 10% faster a CPU's choice "
+                             "needs)"), lines
+    assert lines[4].endswith("(25.0 us vs 20.0 us fused: the whole program's choice "
+                             "(jaxfuse.rewrite.choice))"), lines
+    assert lines[5].endswith(": XLA chosen"), lines
+
+
+def test_summary_columns_fit_the_longest_chain() -> None:
+    from jaxfuse.rewrite.report import FusedGroup, FusionReport
+
+    def group(plan: str, ops: tuple[str, ...]) -> FusedGroup:
+        return FusedGroup(ops, plan, "sig", "Net/Conv_0", "", None, "cpu",
+                          times_us=(("fused", 1.0), ("xla", 3.0)))
+
+    fused = (group("CNSA", ("conv", "batch norm", "residual add", "relu")),
+             group("CNA", ("conv", "batch norm", "relu")))
+    lines = FusionReport(fused, (), jax.make_jaxpr(lambda x: x)(1.0)).summary().splitlines()
+    assert lines[1].endswith("conv -> batch norm -> residual add -> relu  cpu, saves 2.0 us")
+    assert lines[2].endswith("conv -> batch norm -> relu                  cpu, saves 2.0 us")
 
 
 # XLA's candidate must be the chain as a user writes it, operation for operation: the find step

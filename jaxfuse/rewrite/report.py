@@ -18,6 +18,7 @@ import jax
 from jax.extend import source_info_util as siu
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from ..find import margin
 from ..primitive import fused_chain_p
 from .fuse import Rewriter, StaticArgs, recording, trace
 from .lowering import plan_of
@@ -121,9 +122,10 @@ class FusionReport:
         for g in self.fused:
             kinds.setdefault((g.plan, g.ops, g.solver), []).append(g)
         lines = [self._headline()]
-        for (plan, ops, solver), groups in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
-            chain = f"{plan:<6} {' -> '.join(ops)}"
-            lines.append(f"  {len(groups):4d} x {chain:<48} {solver:<14}"
+        chains = {key: f"{key[0]:<6} {' -> '.join(key[1])}" for key in kinds}
+        width = max(map(len, chains.values()), default=0)
+        for key, groups in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"  {len(groups):4d} x {chains[key]:<{width}}  {key[2]}"
                          f"{_saved(g.saved_us for g in groups)}")
         for g in self.to_xla:
             lines.append(f"  xla   {g.plan} at {g.where}: {_why_xla(g)}")
@@ -227,7 +229,14 @@ def _why_xla(group: FusedGroup) -> str:
                 f"{device['fused']:.1f} us fused; launch work {host['xla']:.1f} us vs "
                 f"{host['fused']:.1f} us)")
     if all(k in times for k in both):
-        return f"XLA chosen by measurement ({times['xla']:.1f} us vs {times['fused']:.1f} us fused)"
+        why = ""
+        if times["fused"] < times["xla"]:  # (faster, yet not by what fusing needs)
+            need = margin("cpu", pointwise="C" not in group.plan)
+            why = (f": not the {need:.0%} faster a CPU's choice needs"
+                   if times["fused"] > (1 - need) * times["xla"]
+                   else ": the whole program's choice (jaxfuse.rewrite.choice)")
+        return (f"XLA chosen by measurement ({times['xla']:.1f} us vs {times['fused']:.1f} us "
+                f"fused{why})")
     return "XLA chosen"
 
 
