@@ -97,10 +97,8 @@ class TensorDesc:
         if layout in DATA_LAYOUTS + FILTER_LAYOUTS and len(dims) != len(layout):
             raise ValueError(f"shape {dims} has {len(dims)} dimensions; layout {layout!r} "
                              f"describes {len(layout)}-D tensors")
-        if layout and (len(layout) != len(dims) or layout not in DATA_LAYOUTS + FILTER_LAYOUTS):
-            raise ValueError(
-                f"layout {layout!r} does not describe a {len(dims)}-D tensor; expected one of "
-                f"{DATA_LAYOUTS + FILTER_LAYOUTS} for 4-D tensors")
+        if layout and layout not in DATA_LAYOUTS + FILTER_LAYOUTS:
+            raise ValueError(f"layout {layout!r} is not one of {DATA_LAYOUTS + FILTER_LAYOUTS}")
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "dtype", canonical_dtype(dtype, "TensorDesc dtype"))
         object.__setattr__(self, "layout", layout)
