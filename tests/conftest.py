@@ -34,6 +34,18 @@ def _gpu_devices() -> list:
         return []
 
 
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """Plans compiled and measured afresh: a disk cache of the test's own, no plans in memory."""
+    import jaxfuse as jf
+
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    jf._extension.extension().gpu_configure(str(tmp_path / "cache" / "kernels"), [])
+    jf.clear_cache()
+    yield
+    jf.clear_cache()
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # `device` parametrizes over the CPU and, marked `gpu`, the first GPU.
     if "device" in metafunc.fixturenames:

@@ -7,20 +7,12 @@ from __future__ import annotations
 import jax
 import pytest
 
-import jaxfuse as jf
 from jaxfuse import find, measure
 from jaxfuse.bench.cases import BenchCase
 from jaxfuse.bench.selection import describe, main, profile_case
 
-
-@pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    """A cold compile: its own disk cache, no plans in memory."""
-    monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
-    jf._extension.extension().gpu_configure(str(tmp_path / "cache" / "kernels"), [])
-    jf.clear_cache()
-    yield
-    jf.clear_cache()
+# Each test compiles and measures its plans afresh (conftest.fresh_cache).
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 def test_the_choice_is_broken_down_into_its_steps() -> None:

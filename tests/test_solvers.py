@@ -24,15 +24,8 @@ from jaxfuse import compiled, find, solvers
 from jaxfuse.activations import ActivationMode
 from jaxfuse.errors import FusionError
 
-
-@pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    """Each test measures afresh: its own disk cache, no in-memory plans."""
-    monkeypatch.setenv("JAXFUSE_CACHE_DIR", str(tmp_path / "cache"))
-    jf._extension.extension().gpu_configure(str(tmp_path / "cache" / "kernels"), [])
-    jf.clear_cache()
-    yield
-    jf.clear_cache()
+# Each test compiles and measures its plans afresh (conftest.fresh_cache).
+pytestmark = pytest.mark.usefixtures("fresh_cache")
 
 
 SMALL = Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", n=2, c=8, h=10,
