@@ -177,8 +177,9 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     common = {"signature": signature, "platform": platform, "device_id": device.id, "mode": mode}
     if mode == XLA:
         return CompiledPlan(kernel=XLA, **common)
+    trial = find.Trial()  # (the forms' input sets and harnesses, for the choice)
     try:
-        fused, seconds = _prepare(signature, device)
+        fused, seconds = _prepare(signature, device, trial)
     except FusionError as err:
         if mode == "fused":
             raise
@@ -192,7 +193,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     if mode == "fused":
         return CompiledPlan(kernel=fused.solver, seconds=seconds, **common)
     prepared = time.perf_counter()
-    decision = find.choose(signature, device, fused)
+    decision = find.choose(signature, device, fused, trial)
     seconds += (("choice", time.perf_counter() - prepared),)
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
                         times_us=decision.times_us, device_us=decision.device_us,
@@ -201,7 +202,7 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
                         decided=decision.origin, seconds=seconds, **common)
 
 
-def _prepare(signature: PlanSignature, device: Any
+def _prepare(signature: PlanSignature, device: Any, trial: find.Trial
              ) -> tuple[FusedKernel, tuple[tuple[str, float], ...]]:
     """The fused kernel for `signature`: of several forms (jaxfuse.solvers.prepare_forms),
     the fastest measured; and the seconds its steps took (see CompiledPlan.seconds)."""
@@ -211,7 +212,7 @@ def _prepare(signature: PlanSignature, device: Any
     fused = forms[0]
     if len(forms) > 1:
         timed = time.perf_counter()
-        fused = find.fastest_form(signature, device, forms)
+        fused = find.fastest_form(signature, device, forms, trial)
         seconds += (("forms", time.perf_counter() - timed),)
     if device.platform.lower() != "cpu":
         _warn_once_if_disk_cache_off(extension().gpu_cache(keys=False)["problem"])

@@ -43,8 +43,8 @@ from .measure import (
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
-__all__ = ["CPU_MARGIN", "CPU_POINTWISE_MARGIN", "MARGIN", "Decision", "choose", "fastest_form",
-           "margin", "stats"]
+__all__ = ["CPU_MARGIN", "CPU_POINTWISE_MARGIN", "MARGIN", "Decision", "Trial", "choose",
+           "fastest_form", "margin", "stats"]
 
 logger = logging.getLogger("jaxfuse")
 
@@ -146,15 +146,45 @@ class Decision:
         return cls(solver, times, failures, origin="disk cache", device_us=device, host_us=host)
 
 
+class Trial:
+    """What one plan's selection measures with, kept from the forms' timing for the choice:
+    the random input sets, drawn once, and each form's compiled harness on them.
+
+    Timing the forms and then the fastest form against XLA's composition would otherwise draw
+    the sets and compile that form's timing program twice. At batch 256 a set is hundreds of
+    megabytes drawn on the device (a program of its own to compile). A trial lives as long as
+    one plan's compile (:func:`jaxfuse.compiled.compile_signature`), so the sets' memory goes
+    with it.
+    """
+
+    def __init__(self) -> None:
+        self._sets: list[tuple[Any, ...]] | None = None
+        self.harnesses: dict[str, Harness] = {}  # by form label
+
+    def sets(self, signature: PlanSignature, device: Any) -> list[tuple[Any, ...]]:
+        """The input sets for `signature` on `device` (raises as random_operands does)."""
+        if self._sets is None:
+            self._sets = random_operands(signature, device, set_count(signature, device))
+        return self._sets
+
+    def harness(self, label: str, compile_it: Any) -> Harness:
+        """The harness kept for `label`, else `compile_it()`'s (kept)."""
+        if label not in self.harnesses:
+            self.harnesses[label] = compile_it()
+        return self.harnesses[label]
+
+
 def stats() -> dict[str, int]:
     """Counts of measurements made and decisions read from disk in this process."""
     with _lock:
         return dict(_stats)
 
 
-def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decision:
+def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
+           trial: Trial | None = None) -> Decision:
     """The faster of `fused` (prepared on `device`) and XLA for `signature`: from the disk
-    cache when this exact setting was measured before, else measured now."""
+    cache when this exact setting was measured before, else measured now (with `trial`'s
+    input sets and harnesses, where :func:`fastest_form` left them)."""
     key = _disk_key(signature, device, fused)
     stored = extension().cache_load(key)
     decision = None if stored is None else Decision.from_json(stored)
@@ -168,7 +198,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
         with _lock:
             _stats["disk_hits"] += 1
         return decision
-    decision = _worker.submit(_measure, signature, device, fused).result()
+    decision = _worker.submit(_measure, signature, device, fused, trial).result()
     with _lock:
         _stats["measured"] += 1
     if len(decision.times_us) == 2:  # a failure may be passing (memory): measure it again
@@ -178,7 +208,9 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel) -> Decisio
     return decision
 
 
-def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Decision:
+def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
+             trial: Trial | None = None) -> Decision:
+    trial = trial or Trial()
     times: dict[str, float] = {}
     device_us: dict[str, float] = {}
     host_us: dict[str, float] = {}
@@ -189,7 +221,7 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
         return Decision(FUSED, failures=((XLA, "not measured: the output is empty"),))
     with device_timing():
         try:
-            sets = random_operands(signature, device, set_count(signature, device))
+            sets = trial.sets(signature, device)
         except Exception as err:
             return Decision(FUSED, failures=((XLA, f"not measured: {_first_line(err)}"),))
         outputs: dict[str, Any] = {}
@@ -201,8 +233,11 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel) -> Deci
             limit = (give_up_limit(times[XLA] * 1e-6)
                      if name == FUSED and XLA in times else None)
             try:
-                harness = Harness.compile(make(signature), sets, device,
-                                          sequential=pointwise)
+                compile_it = functools.partial(Harness.compile, make(signature), sets,
+                                               device, sequential=pointwise)
+                # (the forms' timing may have compiled the fused one)
+                harness = (trial.harness(kernel.label, compile_it) if name == FUSED
+                           else compile_it())
                 outputs[name], timing = harness.run(limit)
                 times[name] = timing.cost * 1e6
                 if timing.host or timing.cut_short:
@@ -269,13 +304,14 @@ def _more_windows(harnesses: dict[str, Harness], times: dict[str, float],
                 times[name] = min(times[name], timing.cost * 1e6)
 
 
-def fastest_form(signature: PlanSignature, device: Any,
-                 kernels: list[FusedKernel]) -> FusedKernel:
+def fastest_form(signature: PlanSignature, device: Any, kernels: list[FusedKernel],
+                 trial: Trial | None = None) -> FusedKernel:
     """The fastest of `kernels`, jaxfuse's kernels for `signature` in different forms
     (jaxfuse.solvers.prepare_forms), timed on `device` as :func:`choose` times candidates
     (transposes included; one window each); from the disk cache when measured before. A form
     that fails to run or disagrees with the first that ran is dropped; the first kernel (the
-    plan's own form) is kept if every one fails."""
+    plan's own form) is kept if every one fails. `trial` keeps the input sets and harnesses
+    for :func:`choose`."""
     labels = [kernel.label for kernel in kernels]
     # v2: GPU forms timed after warm-up runs (measure._GPU_WARM_SECONDS)
     key = (f"jaxfuse-form-v2|{_environment_key(device.device_kind, device.platform.lower())}|"
@@ -286,7 +322,7 @@ def fastest_form(signature: PlanSignature, device: Any,
             return kernels[labels.index(json.loads(stored.decode())["fastest"])]
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
             pass  # malformed: measure again
-    times = _worker.submit(_time_forms, signature, device, kernels).result()
+    times = _worker.submit(_time_forms, signature, device, kernels, trial).result()
     logger.debug("jaxfuse: %s forms on %s: %s", signature.describe(), device.device_kind, times)
     if not times:
         return kernels[0]
@@ -296,21 +332,24 @@ def fastest_form(signature: PlanSignature, device: Any,
     return kernels[labels.index(fastest)]
 
 
-def _time_forms(signature: PlanSignature, device: Any,
-                kernels: list[FusedKernel]) -> dict[str, float]:
+def _time_forms(signature: PlanSignature, device: Any, kernels: list[FusedKernel],
+                trial: Trial | None = None) -> dict[str, float]:
     """Microseconds per run of each form that runs and agrees with the first that ran."""
+    trial = trial or Trial()
     times: dict[str, float] = {}
     reference = None
     with device_timing():
         try:
-            sets = random_operands(signature, device, set_count(signature, device))
+            sets = trial.sets(signature, device)
         except Exception as err:
             logger.debug("jaxfuse: %s forms not timed: %s", signature.describe(), err)
             return times
         for kernel in kernels:
             try:
-                harness = Harness.compile(
-                    fused_function(signature, kernel.filters, kernel.input_layout), sets, device)
+                harness = trial.harness(kernel.label, functools.partial(
+                    Harness.compile,
+                    fused_function(signature, kernel.filters, kernel.input_layout), sets, device,
+                    sequential=signature.conv is None))
                 outputs, timing = harness.run()
             except Exception as err:
                 logger.debug("jaxfuse: %s form %s failed: %s", signature.describe(),

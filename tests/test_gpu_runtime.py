@@ -583,7 +583,7 @@ _FORM_CHILD_HEAD = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from cases import Case, run_case_with_infinities, run_forced_cases
     import jaxfuse.find
-    jaxfuse.find.fastest_form = lambda signature, device, kernels: kernels[-1]
+    jaxfuse.find.fastest_form = lambda signature, device, kernels, trial=None: kernels[-1]
     gpu = jax.devices("gpu")[0]
     NCHW = dict(layout="NCHW", filter_layout="OIHW")
 """)

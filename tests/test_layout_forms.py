@@ -19,7 +19,7 @@ from cases import Case
 
 from jaxfuse import compiled, find, solvers
 from jaxfuse._extension import extension
-from jaxfuse.measure import TIMING_SCALARS, random_operands
+from jaxfuse.measure import TIMING_SCALARS, Timing, random_operands
 from jaxfuse.reference import reference_float64, unfused
 
 HOPPER = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H100")
@@ -198,7 +198,7 @@ def test_the_faster_form_is_kept_and_remembered(monkeypatch) -> None:
                                      input_layout="NHWC")]
     timed = []
 
-    def fake_time(sig, device, forms):
+    def fake_time(sig, device, forms, trial=None):
         timed.append(len(forms))
         return {forms[0].label: 20.0, forms[1].label: 12.5}
 
@@ -214,10 +214,11 @@ def test_the_faster_form_is_kept_and_remembered(monkeypatch) -> None:
     assert timed == [2] and len(stored) == 1  # the second answer came from the cache
     # A form that failed to run is not remembered: measured again next time.
     stored.clear()
-    monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms: {forms[0].label: 9.0})
+    monkeypatch.setattr(find, "_time_forms",
+                        lambda sig, device, forms, trial: {forms[0].label: 9.0})
     assert find.fastest_form(signature, HOPPER, kernels) is kernels[0]
     assert not stored
-    monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms: {})
+    monkeypatch.setattr(find, "_time_forms", lambda sig, device, forms, trial: {})
     assert find.fastest_form(signature, HOPPER, kernels) is kernels[0]
 
 
@@ -279,7 +280,7 @@ def test_a_form_that_disagrees_is_not_kept(monkeypatch) -> None:
             return outputs[self.layout], types.SimpleNamespace(cost=1e-6)
 
     monkeypatch.setattr(find.Harness, "compile",
-                        staticmethod(lambda fn, sets, device: FakeHarness(fn.layout)))
+                        staticmethod(lambda fn, sets, device, **kw: FakeHarness(fn.layout)))
     monkeypatch.setattr(find, "fused_function",
                         lambda sig, filters, layout: types.SimpleNamespace(layout=layout))
     monkeypatch.setattr(find, "random_operands", lambda *args: [])
@@ -297,10 +298,45 @@ def test_a_plan_of_several_forms_reports_their_timing_as_a_step(monkeypatch) -> 
     form = dataclasses.replace(form, input_layout="NHWC")
     monkeypatch.setattr(compiled, "prepare_forms", lambda signature, device: [own, form])
     monkeypatch.setattr(compiled.find, "fastest_form",
-                        lambda signature, device, kernels: kernels[1])
+                        lambda signature, device, kernels, trial=None: kernels[1])
     plan = compiled._compile(_signature(BIG), "cpu", jax.devices("cpu")[0], "fused")
     assert plan.kernel == "conv_tma" and plan.input_layout == "NHWC"
     assert [step for step, _ in plan.seconds] == ["kernel", "forms"]
     monkeypatch.setattr(compiled, "prepare_forms", lambda signature, device: [own])
     plan = compiled._compile(_signature(BIG), "cpu", jax.devices("cpu")[0], "fused")
     assert [step for step, _ in plan.seconds] == ["kernel"]
+
+
+def test_the_choice_measures_with_the_sets_and_harness_the_forms_left(monkeypatch) -> None:
+    """A plan of several forms draws its random input sets once and compiles the chosen form's
+    timing program once: the choice against XLA takes both from the forms' timing (a set is
+    hundreds of megabytes at batch 256)."""
+    signature = dataclasses.replace(_signature(dataclasses.replace(BIG, c=64, k=64)),
+                                    dtype=np.dtype(np.float32))
+    kernels = [solvers.FusedKernel("own"), solvers.FusedKernel("form", input_layout="NHWC")]
+    drawn, compiled_for = [], []
+
+    class FakeHarness:
+        def __init__(self, tag):
+            self.tag = tag
+
+        def run(self, limit=None, warm_up=0.0):
+            return jnp.ones((2, 3)), Timing({"NHWC": 1e-6, None: 2e-6}.get(self.tag, 3e-6))
+
+    def fake_compile(fn, sets, device, sequential=False):
+        compiled_for.append(fn.tag)
+        return FakeHarness(fn.tag)
+
+    monkeypatch.setattr(find.Harness, "compile", staticmethod(fake_compile))
+    monkeypatch.setattr(find, "fused_function",
+                        lambda sig, filters, layout: types.SimpleNamespace(tag=layout))
+    monkeypatch.setattr(find, "xla_function", lambda sig: types.SimpleNamespace(tag="xla"))
+    monkeypatch.setattr(find, "random_operands", lambda *args: drawn.append(args) or [()])
+    cpu = jax.devices("cpu")[0]
+    trial = find.Trial()
+    assert find._time_forms(signature, cpu, kernels, trial) == {"own": 2.0,
+                                                                "form, NHWC input": 1.0}
+    decision = find._measure(signature, cpu, kernels[1], trial)
+    assert decision.solver == "fused" and dict(decision.times_us) == pytest.approx(
+        {"xla": 3.0, "fused": 1.0})
+    assert len(drawn) == 1 and compiled_for == [None, "NHWC", "xla"]
