@@ -336,6 +336,8 @@ NB_MODULE(_jaxfuse_ext, m) {
     jaxfuse::gpu::DeviceTimingMutex().lock();
   });
   m.def("timing_release", [] { jaxfuse::gpu::DeviceTimingMutex().unlock(); });
+  m.def("timing_waited", &jaxfuse::gpu::ThreadTimingWaitSeconds,
+        "Seconds the kernel autotuner has waited for the device-timing lock on this thread.");
 
   m.def("gpu_stats", [] {
     const auto s = jaxfuse::gpu::Stats();

@@ -58,10 +58,14 @@ class CompiledPlan:
     # "measured", "disk cache", "forced" (by the mode), or "fallback" (no fused kernel here)
     decided: str = "forced"
     # Wall seconds compiling took, by step: "kernel" (generating, compiling and tuning the
-    # fused kernel, or finding it in the caches; every form of it), "forms" (timing its forms
-    # against each other, where it has several) and "choice" (measuring the candidates);
-    # plans compiled concurrently (jaxfuse.fuse) include their waits for each other's
-    # measurements, which take the device one at a time.
+    # fused kernel, or finding it in the caches; every form of it), "waited" (the kernel's
+    # autotuner waiting for the device while a measurement held it: XLA's candidate compiling
+    # ahead), "forms" (timing its forms against each other, where it has several) and
+    # "choice" (measuring the candidates); these add up to the compile's wall time. Then
+    # "xla_ahead": XLA's candidate compiled beside the kernel step (find.compile_ahead),
+    # which the selection waits for only where it outlasts that step. Plans compiled
+    # concurrently (jaxfuse.fuse) include their waits for each other's measurements, which
+    # take the device one at a time.
     seconds: tuple[tuple[str, float], ...] = ()
 
     @property
@@ -177,7 +181,9 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     common = {"signature": signature, "platform": platform, "device_id": device.id, "mode": mode}
     if mode == XLA:
         return CompiledPlan(kernel=XLA, **common)
-    trial = find.Trial()  # (the forms' input sets and harnesses, for the choice)
+    trial = find.Trial()  # (the candidates' input sets and harnesses, shared)
+    if mode == "auto":
+        find.compile_ahead(signature, device, trial)
     try:
         fused, seconds = _prepare(signature, device, trial)
     except FusionError as err:
@@ -195,6 +201,8 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     prepared = time.perf_counter()
     decision = find.choose(signature, device, fused, trial)
     seconds += (("choice", time.perf_counter() - prepared),)
+    if trial.ahead_seconds is not None:
+        seconds += (("xla_ahead", trial.ahead_seconds),)
     return CompiledPlan(kernel=XLA if decision.solver == XLA else fused.solver,
                         times_us=decision.times_us, device_us=decision.device_us,
                         host_us=decision.host_us,
@@ -206,9 +214,14 @@ def _prepare(signature: PlanSignature, device: Any, trial: find.Trial
              ) -> tuple[FusedKernel, tuple[tuple[str, float], ...]]:
     """The fused kernel for `signature`: of several forms (jaxfuse.solvers.prepare_forms),
     the fastest measured; and the seconds its steps took (see CompiledPlan.seconds)."""
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), extension().timing_waited()
     forms = prepare_forms(signature, device)
-    seconds: tuple[tuple[str, float], ...] = (("kernel", time.perf_counter() - start),)
+    # (the autotuner's wait for a measurement on the device: XLA's candidate compiled ahead)
+    waited = extension().timing_waited() - waited
+    seconds: tuple[tuple[str, float], ...] = (
+        ("kernel", time.perf_counter() - start - waited),)
+    if waited > 0:
+        seconds += (("waited", waited),)
     fused = forms[0]
     if len(forms) > 1:
         timed = time.perf_counter()

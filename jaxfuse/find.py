@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -44,7 +45,7 @@ from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
 
 __all__ = ["CPU_MARGIN", "CPU_POINTWISE_MARGIN", "MARGIN", "Decision", "Trial", "choose",
-           "fastest_form", "margin", "stats"]
+           "compile_ahead", "fastest_form", "margin", "stats"]
 
 logger = logging.getLogger("jaxfuse")
 
@@ -147,19 +148,19 @@ class Decision:
 
 
 class Trial:
-    """What one plan's selection measures with, kept from the forms' timing for the choice:
-    the random input sets, drawn once, and each form's compiled harness on them.
+    """What one plan's selection measures with: the random input sets, drawn once, and each
+    candidate's compiled harness on them (XLA's composition and every form of the fused
+    kernel), shared by :func:`compile_ahead`, :func:`fastest_form` and :func:`choose`.
 
     Timing the forms and then the fastest form against XLA's composition would otherwise draw
-    the sets and compile that form's timing program twice. At batch 256 a set is hundreds of
-    megabytes drawn on the device (a program of its own to compile). A trial lives as long as
-    one plan's compile (:func:`jaxfuse.compiled.compile_signature`), so the sets' memory goes
-    with it.
+    the sets and compile that form's timing program twice. A trial lives as long as one plan's
+    compile (:func:`jaxfuse.compiled.compile_signature`), so the sets' memory goes with it.
     """
 
     def __init__(self) -> None:
         self._sets: list[tuple[Any, ...]] | None = None
-        self.harnesses: dict[str, Harness] = {}  # by form label
+        self._harnesses: dict[str, Harness] = {}  # by candidate: XLA or a form's label
+        self.ahead_seconds: float | None = None  # what compile_ahead took, once it ran
 
     def sets(self, signature: PlanSignature, device: Any) -> list[tuple[Any, ...]]:
         """The input sets for `signature` on `device` (raises as random_operands does)."""
@@ -167,11 +168,50 @@ class Trial:
             self._sets = random_operands(signature, device, set_count(signature, device))
         return self._sets
 
-    def harness(self, label: str, compile_it: Any) -> Harness:
-        """The harness kept for `label`, else `compile_it()`'s (kept)."""
-        if label not in self.harnesses:
-            self.harnesses[label] = compile_it()
-        return self.harnesses[label]
+    def harness(self, candidate: str, compile_it: Callable[[], Harness]) -> Harness:
+        """The harness kept for `candidate`, else `compile_it()`'s (kept)."""
+        if candidate not in self._harnesses:
+            self._harnesses[candidate] = compile_it()
+        return self._harnesses[candidate]
+
+
+def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
+    """Starts compiling XLA's candidate for `signature` (and loading its kernels) on the find
+    step's thread, into `trial`, while the caller compiles the fused kernel: on GPUs, where a
+    signature not measured before on this device will be (its decision is then on disk).
+
+    XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
+    0.3-0.7 s for ResNet-50's chains and 0.8-1.9 s for MobileNetV2's depthwise ones on an H100
+    (2026-12-07), most of a cold choice; beside the fused kernel's runtime compiles (seconds
+    at that size) it costs the selection only what it outlasts them by. It holds the device
+    while it autotunes, as every measurement does; the kernel's autotuner then waits for it,
+    and the plan reports that wait (:func:`jaxfuse.compiled.compile_signature`'s "waited")."""
+    if device.platform.lower() == "cpu" or any(d == 0 for d in signature.output_shape):
+        return
+    if extension().cache_load(_measured_key(signature, device)) is not None:
+        return
+    _worker.submit(_compile_xla_ahead, signature, device, trial)
+
+
+def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
+    start = time.perf_counter()
+    try:
+        with device_timing():
+            sets = trial.sets(signature, device)
+            trial.harness(XLA, functools.partial(
+                Harness.compile, xla_function(signature), sets, device,
+                sequential=signature.conv is None)).load()
+    except Exception as err:  # (the choice compiles it again, and reports what fails)
+        logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
+                     signature.describe(), err)
+    trial.ahead_seconds = time.perf_counter() - start
+
+
+def _measured_key(signature: PlanSignature, device: Any) -> str:
+    """The disk cache's record that `signature` was measured on `device` (whatever kernel
+    the fused candidate was), which :func:`compile_ahead` reads."""
+    environment = _environment_key(device.device_kind, device.platform.lower())
+    return f"jaxfuse-measured-v1|{environment}|{signature.encode()}"
 
 
 def stats() -> dict[str, int]:
@@ -197,15 +237,24 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
                                      pointwise=signature.conv is None))
         with _lock:
             _stats["disk_hits"] += 1
+        _mark_measured(signature, device)
         return decision
     decision = _worker.submit(_measure, signature, device, fused, trial).result()
     with _lock:
         _stats["measured"] += 1
     if len(decision.times_us) == 2:  # a failure may be passing (memory): measure it again
         extension().cache_store(key, decision.to_json())
+        _mark_measured(signature, device)
     logger.debug("jaxfuse: %s on %s -> %s (%s)", signature.describe(), device.device_kind,
                  decision.solver, decision)
     return decision
+
+
+def _mark_measured(signature: PlanSignature, device: Any) -> None:
+    """Records that `signature`'s decision on `device` is on disk (see compile_ahead)."""
+    key = _measured_key(signature, device)
+    if extension().cache_load(key) is None:
+        extension().cache_store(key, b"1")
 
 
 def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
@@ -233,11 +282,10 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
             limit = (give_up_limit(times[XLA] * 1e-6)
                      if name == FUSED and XLA in times else None)
             try:
-                compile_it = functools.partial(Harness.compile, make(signature), sets,
-                                               device, sequential=pointwise)
-                # (the forms' timing may have compiled the fused one)
-                harness = (trial.harness(kernel.label, compile_it) if name == FUSED
-                           else compile_it())
+                # (compiled ahead, or by the forms' timing, where they ran)
+                harness = trial.harness(XLA if name == XLA else kernel.label,
+                                        functools.partial(Harness.compile, make(signature),
+                                                          sets, device, sequential=pointwise))
                 outputs[name], timing = harness.run(limit)
                 times[name] = timing.cost * 1e6
                 if timing.host or timing.cut_short:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -73,14 +74,18 @@ _CPU_POINTWISE_BYTES = 64 << 20
 _CPU_CONV_BYTES = 16 << 20
 _CPU_COLD_FILTERS = _CPU_CACHE_BYTES // _MAX_SETS
 _CPU_COLD_PIXELS = 256
-# Input sets up to this many elements are drawn on the host and copied, larger ones on the
-# device (where a program must be compiled first).
-_HOST_RANDOM_ELEMENTS = 1 << 24
+# GPUs: operands up to this many elements are drawn on the host and copied, larger ones on the
+# device (a program compiled for each shape; NumPy takes ~10 ns an element on the host).
+_HOST_RANDOM_ELEMENTS = 1 << 20
 # Timed runs keep this many earlier runs' outputs alive (up to this many bytes in all), so each
 # run writes to new addresses as a model's calls do (see Harness.run).
 _KEPT_RUNS = 17
 _KEPT_BYTES = 1 << 30
 _MIN_RUNS = {"cpu": 3, "gpu": 5}
+# GPUs: runs this long need only _MIN_RUNS_LONG timed runs (their noise is small beside them);
+# XLA's depthwise composition at batch 256 takes tens of milliseconds a run.
+_LONG_RUN_SECONDS = 0.01
+_MIN_RUNS_LONG = 3
 _MAX_RUNS = 20
 _BUDGET_SECONDS = {"cpu": 0.1, "gpu": 0.05}
 # GPUs: untimed runs for this long before the timed ones, so that a candidate is not timed
@@ -153,27 +158,45 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     ranges = {"x": (-1.0, 1.0), "side": (-1.0, 1.0), "bias": (-1.0, 1.0),
               "w": (-fan_in ** -0.5, fan_in ** -0.5), "scale": (0.5, 1.5),
               "shift": (-1.0, 1.0), "mean": (-0.5, 0.5), "var": (0.5, 2.0)}
-    elements = sum(math.prod(spec.shape) for spec in specs)
-    if _platform_kind(device) == "cpu" or elements <= _HOST_RANDOM_ELEMENTS:
-        # On the host: no program to compile (XLA compiles take longer than NumPy fills).
-        rng = np.random.default_rng(seed)
-        return [tuple(jax.device_put(
-            (rng.random(spec.shape, np.float32) * (hi - lo) + lo).astype(spec.dtype), device)
-            for spec, (lo, hi) in ((s, ranges[s.name]) for s in specs)) for _ in range(sets)]
-    sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def one_set(key: jax.Array) -> tuple[jax.Array, ...]:
-        keys = jax.random.split(key, len(specs))
-        out = []
-        for spec, k in zip(specs, keys):
+    on_host = _platform_kind(device) == "cpu"
+    rng = np.random.default_rng(seed)
+    out = []
+    for index in range(sets):
+        operands = []
+        for number, spec in enumerate(specs):
             lo, hi = ranges[spec.name]
-            u = jax.random.uniform(k, spec.shape, jnp.float32, lo, hi)
-            out.append(u.astype(spec.dtype))
-        return tuple(out)
+            if on_host or math.prod(spec.shape) <= _HOST_RANDOM_ELEMENTS:
+                value = (rng.random(spec.shape, np.float32) * (hi - lo) + lo).astype(spec.dtype)
+                operands.append(jax.device_put(value, device))
+            else:
+                stream = jax.device_put(np.uint32(_mix(seed, index, number)), device)
+                operands.append(_device_uniform(stream, spec.shape, spec.dtype.name, lo, hi))
+        out.append(tuple(operands))
+    return out
 
-    make = jax.jit(one_set, out_shardings=sharding)
-    base = jax.random.key(seed)
-    return [make(jax.random.fold_in(base, i)) for i in range(sets)]
+
+def _mix(*words: int) -> int:
+    """A 32-bit stream number for `words` (seed, set, operand): distinct streams."""
+    h = 0x811C9DC5
+    for word in words:
+        h = ((h ^ (word & 0xFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _device_uniform(stream: jax.Array, shape: tuple[int, ...], dtype: str, lo: float,
+                    hi: float) -> jax.Array:
+    """Values in [lo, hi) hashed from each element's index and `stream` (on the device
+    `stream` is on). Not jax.random: its threefry program took XLA 0.7-1.6 s to compile for
+    each new shape of a plan's operands on an H100 (2026-12-07, batch 256), the most of a
+    cold selection; this one is a few integer operations per element."""
+    x = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) * jnp.uint32(0x9E3779B9) + stream
+    # (a 32-bit finalizer: every bit of the index reaches every bit of the result)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    x = x ^ (x >> 16)
+    unit = (x >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)  # [0, 1) in float32 steps
+    return (unit * jnp.float32(hi - lo) + jnp.float32(lo)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +263,13 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
+    def load(self) -> None:
+        """One untimed run, ahead of :meth:`run`: loads the program's kernels (libraries load
+        them lazily; cuDNN builds its plans on first use) and allocates its buffers."""
+        if self.stopwatch is not None:
+            extension().stopwatch_gate(self.stopwatch, False)
+        jax.block_until_ready(self.run_all(list(self.sets)))
+
     def run(self, limit: float | None = None, warm_up: float = _GPU_WARM_SECONDS
             ) -> tuple[jax.Array, Timing]:
         """The candidate's result on the first input set (to check candidates agree), and its
@@ -283,8 +313,8 @@ class Harness:
         faults: list[int] = []  # CPUs: the process's page faults during each timed run
         kept = collections.deque(maxlen=_kept_runs(first, len(sets), self.platform))
         deadline = time.perf_counter() + _BUDGET_SECONDS[self.platform]
-        while len(device) < _MIN_RUNS[self.platform] or (len(device) < _MAX_RUNS and
-                                                         time.perf_counter() < deadline):
+        while len(device) < self._min_runs(device) or (len(device) < _MAX_RUNS and
+                                                       time.perf_counter() < deadline):
             faults_before = page_faults()
             start = time.perf_counter()
             kept.append(jax.block_until_ready(self.run_all(sets)))
@@ -305,6 +335,13 @@ class Harness:
             # window to window and the fastest runs agreed with the benchmark's.
             return first, Timing(min(quiet_runs(device, faults)))
         return first, Timing(statistics.median(device), statistics.median(host) if host else 0.0)
+
+    def _min_runs(self, per_set: list[float]) -> int:
+        """Timed runs to take at least, given those so far (seconds per set)."""
+        if (self.platform == "gpu" and per_set and
+                min(per_set) * len(self.sets) >= _LONG_RUN_SECONDS):
+            return _MIN_RUNS_LONG
+        return _MIN_RUNS[self.platform]
 
     def _screening_seconds(self, sets: list[tuple[jax.Array, ...]], limit: float) -> float:
         """Seconds per set of the fastest of a few runs after the first, stopping at one
@@ -400,22 +437,26 @@ def relative_error(a: jax.Array, b: jax.Array) -> float:
     """``|a - b| / |b|`` in float32 (inf when either has a non-finite value where the other
     does not): on the host for CPU arrays, on the device otherwise."""
     if all(d.platform == "cpu" for d in a.devices()):
-        diff, ref, same = _error_terms(np.asarray(a, np.float32), np.asarray(b, np.float32), np)
+        diff, ref, mismatched = _error_terms(np.asarray(a, np.float32),
+                                             np.asarray(b, np.float32), np)
     else:
-        diff, ref, same = (np.asarray(v) for v in _device_error_terms(a, b))
-    if not bool(same):
+        diff, ref, mismatched = (np.asarray(v) for v in _device_error_terms(a, b))
+    if int(mismatched):
         return math.inf
-    return float(diff) / max(float(ref), 1e-30)
+    return math.sqrt(float(diff)) / max(math.sqrt(float(ref)), 1e-30)
 
 
 def _error_terms(a: Any, b: Any, xp: Any) -> tuple[Any, Any, Any]:
-    """(|a - b|, |b|, whether a and b are non-finite at the same places), with NumPy or jnp."""
+    """(|a - b|^2, |b|^2 where both are finite, and how many elements are finite in one of a
+    and b only), with NumPy or jnp: three sums over the same elements, which XLA reduces in
+    one pass (one kernel to compile for each new shape)."""
     a32, b32 = a.astype(xp.float32), b.astype(xp.float32)
-    same_nonfinite = xp.all(xp.isfinite(a32) == xp.isfinite(b32))
-    both = xp.isfinite(a32) & xp.isfinite(b32)
+    finite_a, finite_b = xp.isfinite(a32), xp.isfinite(b32)
+    both = finite_a & finite_b
     diff = xp.where(both, a32 - b32, 0.0)
     ref = xp.where(both, b32, 0.0)
-    return xp.linalg.norm(diff.ravel()), xp.linalg.norm(ref.ravel()), same_nonfinite
+    return (xp.sum(diff * diff, dtype=xp.float32), xp.sum(ref * ref, dtype=xp.float32),
+            xp.sum(finite_a != finite_b, dtype=xp.int32))
 
 
 _device_error_terms = jax.jit(lambda a, b: _error_terms(a, b, jnp))

@@ -91,14 +91,16 @@ def compile_seconds(row: dict[str, Any]) -> tuple[float, float] | None:
     """What compiling `row`'s plan cost: (kernel, selection). The kernel step compiles and
     tunes every form of the fused kernel (or finds them in the caches); the selection, which
     issue #11 bounds, times the forms against each other (the forced plan's "forms") and the
-    fused kernel against XLA's composition (the auto plan's "choice"). None where the row does
-    not say. (Rows written before "forms" was its own step count it in the kernel step; a
+    fused kernel against XLA's composition (the auto plan's "choice", and its kernel step's
+    wait for XLA's candidate compiled beside it, "waited"). None where the row does not
+    say. (Rows written before "forms" was its own step count it in the kernel step; a
     plan the process had compiled before reports that first compile's seconds.)"""
     if "auto_compile_s" not in row:
         return None
     fused = row.get("fused_compile_s", row["auto_compile_s"])
     return (fused.get("kernel", 0.0),
-            fused.get("forms", 0.0) + row["auto_compile_s"].get("choice", 0.0))
+            fused.get("forms", 0.0) + row["auto_compile_s"].get("choice", 0.0) +
+            row["auto_compile_s"].get("waited", 0.0))
 
 
 def print_compile_costs(rows: list[dict[str, Any]], bound: float) -> None:

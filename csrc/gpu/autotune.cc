@@ -114,6 +114,12 @@ std::timed_mutex& DeviceTimingMutex() {
   return mu;
 }
 
+namespace {
+thread_local double thread_timing_wait_seconds = 0;
+}  // namespace
+
+double ThreadTimingWaitSeconds() { return thread_timing_wait_seconds; }
+
 bool AutotuneEnabled() {
   static const bool enabled = [] {
     const char* value = std::getenv("JAXFUSE_AUTOTUNE");
@@ -186,7 +192,10 @@ TuningResult Autotune(Platform platform, const PlanSpec& spec, int ordinal,
   std::vector<float> reference, output(spec.output_elements());
   std::vector<unsigned char> raw(out_bytes);
   std::unique_lock<std::timed_mutex> timing(DeviceTimingMutex(), std::defer_lock);
+  const auto waiting = std::chrono::steady_clock::now();
   (void)timing.try_lock_for(std::chrono::seconds(10));  // else time anyway (noisier)
+  thread_timing_wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting).count();
   std::vector<void*> loaded(variants.size(), nullptr);  // each variant's fast path, once timed
   std::vector<int> repeats(variants.size(), 0);
   for (size_t i = 0; i < variants.size(); ++i) {

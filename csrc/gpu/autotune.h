@@ -34,4 +34,9 @@ bool AutotuneEnabled();
 // most a few seconds for it, so a holder that needs a kernel tuned can never deadlock.
 std::timed_mutex& DeviceTimingMutex();
 
+// Seconds the autotuner has waited for DeviceTimingMutex on the calling thread, in all: a
+// plan's compile tells its own wait for a measurement that held the device (Python's find
+// step compiles XLA's candidate beside the fused kernel's compile) from the kernel's work.
+double ThreadTimingWaitSeconds();
+
 }  // namespace jaxfuse::gpu

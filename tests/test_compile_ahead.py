@@ -1,0 +1,88 @@
+"""XLA's candidate compiled ahead (jaxfuse.find.compile_ahead): on the find step's thread
+while the fused kernel compiles, into the plan's trial, which the choice then measures with;
+only for signatures not measured before on the device; the kernel's wait for it reported."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import jax
+import pytest
+from cases import Case
+
+from jaxfuse import compiled, find, solvers
+from jaxfuse.bench.selection import StepRecorder
+
+pytestmark = pytest.mark.usefixtures("fresh_cache")
+
+CPU = jax.devices("cpu")[0]
+CHAIN = Case(ops="CBNA", dtype="float32", layout="NHWC", filter_layout="HWIO", n=2, c=8, h=9,
+             w=9, k=16)
+
+
+def _signature():
+    return CHAIN.build()[0].signature
+
+
+def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> None:
+    signature = _signature()
+    trial = find.Trial()
+    recorder = StepRecorder()
+    with recorder.active():
+        find._compile_xla_ahead(signature, CPU, trial)
+    assert trial.ahead_seconds > 0
+    assert [step for _, step, _ in recorder.steps] == ["sets", "compile", "load"]
+    assert {phase for phase, _, _ in recorder.steps} == {"xla_ahead"}
+    compiles = []
+    original = find.Harness.compile
+
+    def counted(*args, **kwargs):
+        compiles.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(find.Harness, "compile", counted)
+    drawn = []
+    monkeypatch.setattr(find, "random_operands", lambda *args: drawn.append(args))
+    kernel = solvers.prepare_fused(signature, CPU)
+    decision = find._measure(signature, CPU, kernel, trial)
+    assert set(dict(decision.times_us)) == {"xla", "fused"} and not decision.failures
+    assert len(compiles) == 1 and not drawn  # the fused candidate's only; the sets kept
+
+
+def test_only_signatures_not_measured_before_on_a_gpu_compile_ahead(monkeypatch) -> None:
+    submitted = []
+    monkeypatch.setattr(find, "_compile_xla_ahead", lambda *args: submitted.append(args))
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="H100")
+    signature = _signature()
+    find.compile_ahead(signature, CPU, find.Trial())
+    assert not submitted  # (CPUs: their kernel step is quick, nothing to overlap)
+    find.compile_ahead(signature, gpu, find.Trial())
+    find._worker.submit(lambda: None).result()  # (the find step's thread ran it)
+    assert len(submitted) == 1
+    find._mark_measured(signature, gpu)
+    find.compile_ahead(signature, gpu, find.Trial())
+    find._worker.submit(lambda: None).result()
+    assert len(submitted) == 1
+
+
+def test_the_kernels_wait_for_the_device_is_a_step_of_its_own(monkeypatch) -> None:
+    waits = iter([1.0, 1.25])  # the autotuner's waits on this thread, before and after
+
+    class FakeExtension:
+        def timing_waited(self):
+            return next(waits)
+
+    monkeypatch.setattr(compiled, "extension", FakeExtension)
+    own = solvers.FusedKernel("cpu")
+
+    def prepare_forms(signature, device):
+        time.sleep(0.3)  # (of which the autotuner waited 0.25 s)
+        return [own]
+
+    monkeypatch.setattr(compiled, "prepare_forms", prepare_forms)
+    kernel, seconds = compiled._prepare(_signature(), CPU, find.Trial())
+    steps = dict(seconds)
+    assert kernel is own and set(steps) == {"kernel", "waited"}
+    assert steps["waited"] == pytest.approx(0.25)
+    assert steps["kernel"] == pytest.approx(0.05, abs=0.04)
