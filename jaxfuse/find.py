@@ -176,9 +176,10 @@ class Trial:
 
 
 def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
-    """Starts compiling XLA's candidate for `signature` (and loading its kernels) on the find
-    step's thread, into `trial`, while the caller compiles the fused kernel: on GPUs, where a
-    signature not measured before on this device will be (its decision is then on disk).
+    """Starts compiling XLA's candidate for `signature` (and loading its kernels, and the
+    comparison of the candidates' outputs) on the find step's thread, into `trial`, while the
+    caller compiles the fused kernel: on GPUs, where a signature not measured before on this
+    device will be (its decision is then on disk).
 
     XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
     0.3-0.7 s for ResNet-50's chains and 0.8-1.9 s for MobileNetV2's depthwise ones on an H100
@@ -198,9 +199,11 @@ def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> N
     try:
         with device_timing():
             sets = trial.sets(signature, device)
-            trial.harness(XLA, functools.partial(
+            output = trial.harness(XLA, functools.partial(
                 Harness.compile, xla_function(signature), sets, device,
                 sequential=signature.conv is None)).load()
+            # (compiles the comparison for outputs of this shape, which every candidate has)
+            relative_error(output, output)
     except Exception as err:  # (the choice compiles it again, and reports what fails)
         logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
                      signature.describe(), err)

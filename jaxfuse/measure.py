@@ -263,12 +263,13 @@ class Harness:
             weakref.finalize(harness, _delete_stopwatch, stopwatch)
         return harness
 
-    def load(self) -> None:
+    def load(self) -> jax.Array:
         """One untimed run, ahead of :meth:`run`: loads the program's kernels (libraries load
-        them lazily; cuDNN builds its plans on first use) and allocates its buffers."""
+        them lazily; cuDNN builds its plans on first use) and allocates its buffers. Returns
+        the result on the first input set."""
         if self.stopwatch is not None:
             extension().stopwatch_gate(self.stopwatch, False)
-        jax.block_until_ready(self.run_all(list(self.sets)))
+        return jax.block_until_ready(self.run_all(list(self.sets)))[0][0]
 
     def run(self, limit: float | None = None, warm_up: float = _GPU_WARM_SECONDS
             ) -> tuple[jax.Array, Timing]:

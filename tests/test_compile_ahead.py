@@ -32,7 +32,7 @@ def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> N
     with recorder.active():
         find._compile_xla_ahead(signature, CPU, trial)
     assert trial.ahead_seconds > 0
-    assert [step for _, step, _ in recorder.steps] == ["sets", "compile", "load"]
+    assert [step for _, step, _ in recorder.steps] == ["sets", "compile", "load", "compare"]
     assert {phase for phase, _, _ in recorder.steps} == {"xla_ahead"}
     compiles = []
     original = find.Harness.compile
