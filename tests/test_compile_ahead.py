@@ -86,3 +86,17 @@ def test_the_kernels_wait_for_the_device_is_a_step_of_its_own(monkeypatch) -> No
     assert kernel is own and set(steps) == {"kernel", "waited"}
     assert steps["waited"] == pytest.approx(0.25)
     assert steps["kernel"] == pytest.approx(0.05, abs=0.04)
+
+
+def test_a_plan_compiled_with_its_candidate_ahead_reports_both(monkeypatch) -> None:
+    """The whole flow, on a CPU standing in for a GPU: XLA's candidate compiles on the find
+    step's thread while the plan's kernel is prepared, the choice measures with it, and the
+    plan reports the compile beside the kernel step."""
+    def ahead_anywhere(signature, device, trial):
+        find._worker.submit(find._compile_xla_ahead, signature, device, trial)
+
+    monkeypatch.setattr(compiled.find, "compile_ahead", ahead_anywhere)
+    plan = compiled.compile_signature(_signature(), CPU, "auto")
+    steps = dict(plan.seconds)
+    assert set(steps) == {"kernel", "choice", "xla_ahead"} and steps["xla_ahead"] > 0
+    assert set(dict(plan.times_us)) == {"xla", "fused"} and plan.decided == "measured"
