@@ -127,6 +127,30 @@ def test_cpu_plans_are_timed_on_several_sets() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_large_operands_are_drawn_on_the_device(monkeypatch) -> None:
+    """GPUs draw operands above 2^20 elements on the device, hashed from their index (the CPU
+    device stands in here): values in their ranges, distinct from set to set and operand to
+    operand, in the plan's dtype and on the device; smaller ones come from the host."""
+    from jaxfuse import measure
+
+    cpu = jax.devices("cpu")[0]
+    monkeypatch.setattr(measure, "_platform_kind", lambda device: "gpu")
+    signature = Case(ops="CBNA", dtype="bfloat16", layout="NHWC", filter_layout="HWIO", n=4,
+                     c=64, h=64, w=72, k=16).build()[0].signature
+    drawn = []
+    original = measure._device_uniform
+    monkeypatch.setattr(measure, "_device_uniform",
+                        lambda *args: drawn.append(args[1]) or original(*args))
+    sets = measure.random_operands(signature, cpu, 2)
+    assert drawn == [signature.operands[0].shape] * 2  # x alone (1.2 M elements)
+    x0, x1 = (np.asarray(s[0], np.float32) for s in sets)
+    assert sets[0][0].dtype == jnp.bfloat16 and sets[0][0].devices() == {cpu}
+    assert -1.0 <= x0.min() < -0.99 and 0.99 < x0.max() <= 1.0 and abs(x0.mean()) < 0.01
+    assert np.mean(x0 == x1) < 0.05  # (bfloat16 keeps 8 bits: some equal by chance)
+    variance = np.asarray(sets[0][-1], np.float32)
+    assert variance.min() >= 0.5 and variance.max() <= 2.0
+
+
 def test_a_candidate_costs_the_longer_of_device_and_launch_time() -> None:
     from jaxfuse.measure import Timing
 
