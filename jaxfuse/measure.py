@@ -188,7 +188,7 @@ def _device_uniform(stream: jax.Array, shape: tuple[int, ...], dtype: str, lo: f
                     hi: float) -> jax.Array:
     """Values in [lo, hi) hashed from each element's index and `stream` (on the device
     `stream` is on). Not jax.random: its threefry program took XLA 0.7-1.6 s to compile for
-    each new shape of a plan's operands on an H100 (2026-12-07, batch 256), the most of a
+    each new shape of a plan's operands on an H100 (2026-12-07, batch 256), about half of a
     cold selection; this one is a few integer operations per element."""
     x = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) * jnp.uint32(0x9E3779B9) + stream
     # (a 32-bit finalizer: every bit of the index reaches every bit of the result)
