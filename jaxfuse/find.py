@@ -168,10 +168,14 @@ class Trial:
             self._sets = random_operands(signature, device, set_count(signature, device))
         return self._sets
 
-    def harness(self, candidate: str, compile_it: Callable[[], Harness]) -> Harness:
-        """The harness kept for `candidate`, else `compile_it()`'s (kept)."""
+    def harness(self, candidate: str, fn: Callable[..., Any], signature: PlanSignature,
+                device: Any) -> Harness:
+        """The harness kept for `candidate`, else `fn`'s timing program on the sets, compiled
+        now and kept; a plan without a convolution times its sets in sequence
+        (measure.set_count)."""
         if candidate not in self._harnesses:
-            self._harnesses[candidate] = compile_it()
+            self._harnesses[candidate] = Harness.compile(
+                fn, self.sets(signature, device), device, sequential=signature.conv is None)
         return self._harnesses[candidate]
 
 
@@ -198,10 +202,7 @@ def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> N
     start = time.perf_counter()
     try:
         with device_timing():
-            sets = trial.sets(signature, device)
-            output = trial.harness(XLA, functools.partial(
-                Harness.compile, xla_function(signature), sets, device,
-                sequential=signature.conv is None)).load()
+            output = trial.harness(XLA, xla_function(signature), signature, device).load()
             # (compiles the comparison for outputs of this shape, which every candidate has)
             relative_error(output, output)
     except Exception as err:  # (the choice compiles it again, and reports what fails)
@@ -273,7 +274,7 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
         return Decision(FUSED, failures=((XLA, "not measured: the output is empty"),))
     with device_timing():
         try:
-            sets = trial.sets(signature, device)
+            trial.sets(signature, device)  # (first: without them nothing is measured)
         except Exception as err:
             return Decision(FUSED, failures=((XLA, f"not measured: {_first_line(err)}"),))
         outputs: dict[str, Any] = {}
@@ -287,8 +288,7 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
             try:
                 # (compiled ahead, or by the forms' timing, where they ran)
                 harness = trial.harness(XLA if name == XLA else kernel.label,
-                                        functools.partial(Harness.compile, make(signature),
-                                                          sets, device, sequential=pointwise))
+                                        make(signature), signature, device)
                 outputs[name], timing = harness.run(limit)
                 times[name] = timing.cost * 1e6
                 if timing.host or timing.cut_short:
@@ -391,16 +391,15 @@ def _time_forms(signature: PlanSignature, device: Any, kernels: list[FusedKernel
     reference = None
     with device_timing():
         try:
-            sets = trial.sets(signature, device)
+            trial.sets(signature, device)  # (first: without them no form is timed)
         except Exception as err:
             logger.debug("jaxfuse: %s forms not timed: %s", signature.describe(), err)
             return times
         for kernel in kernels:
             try:
-                harness = trial.harness(kernel.label, functools.partial(
-                    Harness.compile,
-                    fused_function(signature, kernel.filters, kernel.input_layout), sets, device,
-                    sequential=signature.conv is None))
+                harness = trial.harness(
+                    kernel.label, fused_function(signature, kernel.filters, kernel.input_layout),
+                    signature, device)
                 outputs, timing = harness.run()
             except Exception as err:
                 logger.debug("jaxfuse: %s form %s failed: %s", signature.describe(),
