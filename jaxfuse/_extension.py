@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 import threading
 from types import ModuleType
 
@@ -24,6 +25,7 @@ RECORD_TARGET = "jaxfuse_fused_chain_recorded"
 API_PROBE_TARGET = "jaxfuse_ffi_api_probe"
 
 logger = logging.getLogger("jaxfuse")
+_PACKAGE = pathlib.Path(__file__).resolve().parent
 
 
 @functools.cache
@@ -32,9 +34,8 @@ def extension() -> ModuleType:
     try:
         from . import _jaxfuse_ext
     except ImportError as err:  # pragma: no cover - a broken install
-        raise ImportError(
-            "jaxfuse's C++ extension is missing; reinstall with `pip install .` from the "
-            f"source tree ({err})") from err
+        hint = _missing_hint(_PACKAGE)
+        raise ImportError(f"jaxfuse's C++ extension is missing; {hint} ({err})") from err
     try:
         kernels, why_off = runtime.kernel_cache_dir(), ""
     except RuntimeError as err:  # an unusable path only turns the disk cache off (SECURITY.md)
@@ -42,6 +43,17 @@ def extension() -> ModuleType:
     _jaxfuse_ext.gpu_configure(str(kernels) if kernels else "", runtime.compiler_search_paths(),
                                why_off)
     return _jaxfuse_ext
+
+
+def _missing_hint(package: pathlib.Path) -> str:
+    """What to do about a missing extension in `package`: a source checkout shadowing the
+    installed package (Python imports ./jaxfuse first when run from the repository's root) is
+    the usual cause."""
+    if (package.parent / "pyproject.toml").is_file() and (package.parent / "csrc").is_dir():
+        return (f"Python imported the source folder {package}, which holds no build: run from "
+                "another directory to use the installed package, or install this checkout in "
+                "place with `pip install -e .`")
+    return "reinstall with `pip install .` from the source tree"
 
 
 @functools.cache

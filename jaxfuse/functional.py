@@ -18,7 +18,7 @@ from jax import lax
 
 from .activations import ActivationMode
 from .args import OperatorArgs
-from .descriptors import ConvDesc, Padding, TensorDesc
+from .descriptors import ConvDesc, Padding, TensorDesc, canonical_dtype
 from .plan import FusionPlan
 
 __all__ = [
@@ -116,11 +116,18 @@ def _widen(x: Any, w: Any, preferred_element_type: Any) -> tuple[Any, Any]:
                      "float16/bfloat16 inputs")
 
 
+def _as_jax(value: Any) -> Any:
+    """`value` under JAX's dtype rules, as lax's functions take it: a NumPy float64 array (or
+    a list) becomes float32 unless jax_enable_x64 is on; JAX arrays and tracers pass as is."""
+    return value if value is None or isinstance(value, jax.Array) else jnp.asarray(value)
+
+
 def _conv_call(x: Any, w: Any, window_strides: Any, padding: Padding, lhs_dilation: Any,
                rhs_dilation: Any, feature_group_count: Any, batch_group_count: Any,
                dimension_numbers: DimensionNumbers, precision: Any,
                preferred_element_type: Any, out_sharding: Any) -> tuple[Any, Any, dict]:
     """x, w and `_run`'s convolution keywords from `lax.conv_general_dilated`'s arguments."""
+    x, w = _as_jax(x), _as_jax(w)
     _check_2d(x, w, dimension_numbers)
     _refuse_unsupported(lhs_dilation, batch_group_count, out_sharding)
     layout, filter_layout = _layouts(dimension_numbers)
@@ -170,6 +177,11 @@ def _run(x: Any, *, w: Any = None, conv: ConvDesc | None = None, filter_layout: 
          epsilon: Any = 1e-5, bn_mode: str = "spatial", side: Any = None,
          side_alpha: Any = 1.0, activation: str | ActivationMode | None = None,
          activation_params: tuple[Any, Any, Any] = (None, None, None)) -> jax.Array:
+    x, w, bias, side = _as_jax(x), _as_jax(w), _as_jax(bias), _as_jax(side)
+    bn = None if bn is None else tuple(_as_jax(v) for v in bn)
+    for name, array in (("x", x), ("w", w)):
+        if array is not None:  # (named here: the plan's descriptor would say "TensorDesc")
+            canonical_dtype(array.dtype, name)
     ops = ("C" if w is not None else "") + ("B" if bias is not None else "") + \
           ("N" if bn is not None else "") + ("S" if side is not None else "") + \
           ("A" if activation is not None else "")

@@ -320,3 +320,14 @@ def test_malformed_signatures_are_rejected_by_the_extension() -> None:
                 good.replace(",OIHW,", ",XXXX,"), good.replace("act=3", "act=42")]:
         with pytest.raises(ValueError, match="invalid jaxfuse plan"):
             ext.cpu_prepare(bad)
+
+
+def test_a_missing_extension_names_the_source_folder_that_shadows_the_install(tmp_path) -> None:
+    from jaxfuse._extension import _missing_hint
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "csrc").mkdir()
+    hint = _missing_hint(tmp_path / "jaxfuse")  # run from a checkout's root: ./jaxfuse first
+    assert f"imported the source folder {tmp_path / 'jaxfuse'}" in hint
+    assert "run from another directory" in hint and "pip install -e ." in hint
+    assert _missing_hint(tmp_path / "site-packages" / "jaxfuse") == \
+        "reinstall with `pip install .` from the source tree"

@@ -210,3 +210,22 @@ def test_what_does_not_fuse_is_refused_by_name(x_shape, w_shape, kwargs, exc, ma
                                                       **kwargs)):
         with pytest.raises(exc, match=match):
             call()
+
+
+def test_numpy_float64_follows_jax_dtype_rules(device) -> None:
+    """NumPy float64 arrays and lists compute in float32, as lax.conv_general_dilated's do,
+    unless jax_enable_x64 is on: then the kernels' missing float64 is refused by name."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((2, 9, 8, 4)), rng.standard_normal((3, 3, 4, 6)) / 3
+    b = rng.standard_normal(6)
+    bn = (rng.uniform(0.5, 1.5, 6), rng.standard_normal(6), 0.3 * rng.standard_normal(6),
+          rng.uniform(0.5, 2.0, 6))
+    conv = {"padding": "SAME", "dimension_numbers": ("NHWC", "HWIO", "NHWC")}
+    with jax.default_device(device):
+        got = jf.conv_bias_batchnorm_activation(x, w, b.tolist(), *bn, activation="elu",
+                                                **conv)
+    assert got.dtype == np.float32
+    tolerance = TOLERANCE_EXACT_FP32 if device.platform == "cpu" else TOLERANCE[got.dtype]
+    assert relative_error(got, _lax_reference(x, w, conv, 3, b, bn, "elu")) <= tolerance
+    with jax.enable_x64(True), pytest.raises(TypeError, match="x: float64 is not supported"):
+        jf.conv_bias_activation(x, w, b, **conv)

@@ -695,10 +695,11 @@ def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
     # Faster, but within the CPU's margin; and faster beyond it, kept by the program's choice
     close = group(times_us=(("fused", 23.0), ("xla", 25.0)))
     program = group(times_us=(("fused", 20.0), ("xla", 25.0)))
-    forced = group()
+    unknown = group()
     jaxpr = jax.make_jaxpr(lambda x: x)(1.0)
-    lines = FusionReport((), (), jaxpr, to_xla=(gpu, cpu, close, program, forced)
+    lines = FusionReport((), (), jaxpr, to_xla=(gpu, cpu, close, program, unknown)
                          ).summary().splitlines()
+    assert lines[0] == "jaxfuse: 0 chain(s) fused, 5 left to XLA (by measurement), 0 left alone"
     assert lines[1].endswith("XLA chosen by measurement (device 19.0 us vs 21.2 us fused; "
                              "launch work 33.3 us vs 4.1 us)"), lines
     assert lines[2].endswith("XLA chosen by measurement (25.0 us vs 30.0 us fused)"), lines
@@ -707,6 +708,30 @@ def test_summary_says_which_measurement_kept_a_chain_xla() -> None:
     assert lines[4].endswith("(25.0 us vs 20.0 us fused: the whole program's choice "
                              "(jaxfuse.rewrite.choice))"), lines
     assert lines[5].endswith(": XLA chosen"), lines
+
+
+def test_summary_says_a_forced_xla_was_not_measured() -> None:
+    """With solver="xla" nothing is measured: the report says it was forced (it said "by
+    measurement", and "XLA is faster")."""
+    from jaxfuse.rewrite.report import FusedGroup, FusionReport
+
+    def group(decided: str, **measured) -> FusedGroup:
+        return FusedGroup(("conv", "relu"), "CA", "sig", "Net/Conv_0", "", None, "xla",
+                          decided=decided, **measured)
+
+    jaxpr = jax.make_jaxpr(lambda x: x)(1.0)
+    forced = FusionReport((), (), jaxpr, to_xla=(group("forced"),) * 2)
+    lines = forced.summary().splitlines()
+    assert lines[0] == "jaxfuse: 0 chain(s) fused, 2 left to XLA (solver forced), 0 left alone"
+    assert lines[1].endswith(': XLA forced (solver "xla" or JAXFUSE_SOLVER=xla)'), lines
+    assert "(sig; solver forced)" in str(forced) and "faster" not in str(forced)
+    mixed = FusionReport((), (), jaxpr, to_xla=(
+        group("disk cache", times_us=(("fused", 3.0), ("xla", 2.0))), group("fallback")))
+    lines = mixed.summary().splitlines()
+    assert lines[0] == ("jaxfuse: 0 chain(s) fused, 2 left to XLA (1 by measurement, "
+                        "1 no fused kernel), 0 left alone"), lines
+    assert lines[2].endswith('the fused kernel is not available (kernel_info["failed"] says '
+                             'why)'), lines
 
 
 def test_summary_columns_fit_the_longest_chain() -> None:

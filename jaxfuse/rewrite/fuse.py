@@ -79,8 +79,9 @@ def fuse(fn: Callable[..., Any] | None = None, *, static_argnums: int | Sequence
     hand-written code produce it) followed by any of: a per-channel bias add, batch-norm
     inference (written out, or as flax's BatchNorm computes it in eval mode, or pre-folded to
     ``y * a + c``), a residual add, and an activation (relu, relu6/clip, leaky relu, elu,
-    sigmoid, tanh, softplus, abs). Intermediate values used elsewhere keep the chain unfused at
-    that point. Results match `fn` up to rounding.
+    sigmoid, tanh, softplus, abs, silu, gelu in both forms, hard_swish, hard_sigmoid, mish: the
+    README lists the forms matched). Intermediate values used elsewhere keep the chain unfused
+    at that point. Results match `fn` up to rounding.
 
     Each chain's plan is compiled with `solver` (see :meth:`jaxfuse.FusionPlan.compile`): in
     ``"auto"``, the default, both candidates are measured on this device and the program's

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import sys
@@ -47,6 +48,8 @@ class FusedGroup:
         and the host's launch work (empty on CPUs). A program's choice weighs their sums: a
         device-bound network keeps a chain XLA's where XLA's kernels are faster although its
         launches are longer (:mod:`jaxfuse.rewrite.choice`).
+      decided: how the solver was decided (``kernel_info["decided"]``): ``"measured"``,
+        ``"disk cache"`` (measured before), ``"forced"`` (the solver mode) or ``"fallback"``.
     """
 
     ops: tuple[str, ...]
@@ -60,6 +63,7 @@ class FusedGroup:
     compile_s: tuple[tuple[str, float], ...] = ()
     device_us: tuple[tuple[str, float], ...] = ()
     host_us: tuple[tuple[str, float], ...] = ()
+    decided: str = "measured"
 
     @property
     def saved_us(self) -> float | None:
@@ -111,7 +115,12 @@ class FusionReport:
         return len(self.fused)
 
     def _headline(self) -> str:
-        xla = f", {len(self.to_xla)} left to XLA (by measurement)" if self.to_xla else ""
+        xla = ""
+        if self.to_xla:
+            hows = collections.Counter(_how(g) for g in self.to_xla)
+            how = next(iter(hows)) if len(hows) == 1 else ", ".join(
+                f"{count} {how}" for how, count in hows.items())
+            xla = f", {len(self.to_xla)} left to XLA ({how})"
         return (f"jaxfuse: {len(self.fused)} chain(s) fused{xla}, {len(self.left_alone)} "
                 "left alone")
 
@@ -155,7 +164,8 @@ class FusionReport:
         for g in self.to_xla:
             scope = f" [in {g.scope}]" if g.scope else ""
             lines.append(f"  xla   {g.plan:<6} {' -> '.join(g.ops)}")
-            lines.append(f"        at {g.where}{scope}  ({g.kernel}; XLA is faster"
+            why = "XLA is faster" if _how(g) == "by measurement" else _how(g)
+            lines.append(f"        at {g.where}{scope}  ({g.kernel}; {why}"
                          f"{_saved([g.saved_us])})")
         for s in self.left_alone:
             scope = f" [in {s.scope}]" if s.scope else ""
@@ -215,13 +225,24 @@ def _describe_group(scope: str, group: Group, solver: str) -> FusedGroup:
                       tuple(info.get("candidates_us", {}).items()),
                       tuple(info.get("compile_s", {}).items()),
                       tuple(info.get("candidates_device_us", {}).items()),
-                      tuple(info.get("candidates_host_us", {}).items()))
+                      tuple(info.get("candidates_host_us", {}).items()),
+                      info.get("decided", "measured"))
+
+
+def _how(group: FusedGroup) -> str:
+    """How a chain came to be XLA's, in a few words."""
+    return {"forced": "solver forced", "fallback": "no fused kernel"}.get(group.decided,
+                                                                          "by measurement")
 
 
 def _why_xla(group: FusedGroup) -> str:
     """Why a chain stayed XLA's, in the measurements that decided it: on GPUs the kernels' and
     the launches' microseconds apart (the larger of the two alone can favour the fused kernel
     where XLA's kernels are faster)."""
+    if group.decided == "forced":
+        return "XLA forced (solver \"xla\" or JAXFUSE_SOLVER=xla)"
+    if group.decided == "fallback":
+        return "XLA: the fused kernel is not available (kernel_info[\"failed\"] says why)"
     both = ("xla", "fused")
     times, device, host = dict(group.times_us), dict(group.device_us), dict(group.host_us)
     if all(k in device and k in host for k in both):
