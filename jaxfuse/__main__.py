@@ -52,6 +52,12 @@ def _is_decision(key: str) -> bool:
     return key.startswith("jaxfuse-solver")
 
 
+def _is_measured_record(key: str) -> bool:
+    """Whether a cache key only records that a signature was measured on a device
+    (jaxfuse.find.compile_ahead reads it): counted, not listed."""
+    return key.startswith("jaxfuse-measured")
+
+
 def _describe_key(key: str) -> str:
     """One line for a cache key: platform, arch (device kind, for a solver decision), compiler
     (jax, for a decision), solver (the fused kernel's label, for a decision) and the plan's main
@@ -102,10 +108,12 @@ def info(out: Any = sys.stdout) -> None:
     print(f"kernel cache: {cache['directory'] or off}", file=out)
     if cache["problem"]:  # also before first use: the check runs now, creating nothing
         print(f"  not used: {cache['problem']}", file=out)
-    keys = sorted(cache["keys"])
+    keys = [key for key in sorted(cache["keys"]) if not _is_measured_record(key)]
     decisions = [key for key in keys if _is_decision(key)]
+    records = len(cache["keys"]) - len(keys)
     print(f"  {len(keys) - len(decisions)} compiled kernel(s), {len(decisions)} solver "
-          "decision(s)", file=out)
+          f"decision(s){f', {records} signature(s) marked measured' if records else ''}",
+          file=out)
     for key in sorted(keys, key=_is_decision):
         print(f"  {'decision ' if _is_decision(key) else ''}{_describe_key(key)}", file=out)
 

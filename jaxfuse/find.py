@@ -255,7 +255,10 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
 
 
 def _mark_measured(signature: PlanSignature, device: Any) -> None:
-    """Records that `signature`'s decision on `device` is on disk (see compile_ahead)."""
+    """Records that `signature`'s decision on `device` is on disk (see compile_ahead, which
+    reads it on GPUs only)."""
+    if device.platform.lower() == "cpu":
+        return
     key = _measured_key(signature, device)
     if extension().cache_load(key) is None:
         extension().cache_store(key, b"1")

@@ -318,6 +318,17 @@ def test_info_says_why_an_unsafe_cache_directory_is_off(tmp_path) -> None:
     assert "0 compiled kernel(s)" in out and "secret-plan-key" not in out
 
 
+def test_info_counts_measured_records_without_listing_them(tmp_path) -> None:
+    """compile_ahead's records (one a signature measured on a GPU) are no kernels: the report
+    counts them apart and lists none (it printed each as a kernel of unknown plan)."""
+    cache = _cache(tmp_path / "kernels")
+    cache.store("jaxfuse-measured-v1|cuda|NVIDIA H100 80GB HBM3|jax 0.11.2|jaxlib 0.11.2|"
+                "jaxfuse 0.1.0 kernels 16f1|xla_flags c016|jaxfuse1;dtype=f32", b"1")
+    out = _run(_INFO, {"JAXFUSE_CACHE_DIR": str(tmp_path)})
+    assert "  0 compiled kernel(s), 0 solver decision(s), 1 signature(s) marked measured\n" in out
+    assert "H100" not in out and "in=?" not in out
+
+
 def test_info_tells_decisions_from_kernels_and_names_the_compilers_tried() -> None:
     from jaxfuse import __main__ as cli
 
