@@ -117,10 +117,10 @@ class FusionReport:
     def _headline(self) -> str:
         xla = ""
         if self.to_xla:
-            hows = collections.Counter(_how(g) for g in self.to_xla)
-            how = next(iter(hows)) if len(hows) == 1 else ", ".join(
-                f"{count} {how}" for how, count in hows.items())
-            xla = f", {len(self.to_xla)} left to XLA ({how})"
+            reasons = collections.Counter(_how(g) for g in self.to_xla)
+            why = next(iter(reasons)) if len(reasons) == 1 else ", ".join(
+                f"{count} {reason}" for reason, count in reasons.items())
+            xla = f", {len(self.to_xla)} left to XLA ({why})"
         return (f"jaxfuse: {len(self.fused)} chain(s) fused{xla}, {len(self.left_alone)} "
                 "left alone")
 
