@@ -158,8 +158,7 @@ class OperatorArgs:
     def set_side_input_add(self, op: SideInputAddOp, z: Any, alpha: Any = 1.0) -> OperatorArgs:
         """Sets the side input `z` (the output's shape and dtype), added as ``alpha * z``."""
         _require(op, SideInputAddOp, "set_side_input_add", "add_side_input_add")
-        if z is None:
-            raise ValueError("set_side_input_add: z is missing")
+        _check_array("set_side_input_add: z", z, op.desc.shape, op.desc.dtype)
         _check_scalar("set_side_input_add: alpha", alpha)
         return self._set(op, (z,), (("side_alpha", alpha),))
 

@@ -104,6 +104,7 @@ class BatchNormInferenceOp(FusionOp):
 class SideInputAddOp(FusionOp):
     """Residual add of a side input of the output's shape: ``y = y + alpha * z``."""
 
+    desc: TensorDesc  # the side input's: the plan's output (shape, dtype, layout)
     letter = "S"
     kind = "side_add"
 

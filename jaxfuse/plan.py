@@ -89,7 +89,8 @@ class FusionPlan:
     def add_side_input_add(self) -> SideInputAddOp:
         """Adds ``y + alpha * z`` for a side input z of the output's shape (a residual add)."""
         support.check_append(self._ops, "S")
-        return self._append(SideInputAddOp)
+        # (no operator after it changes the output's shape: only an activation may follow)
+        return self._append(SideInputAddOp, self.output_desc if self._ops else self._input_desc)
 
     def add_activation_forward(self, mode: str | ActivationMode) -> ActivationForwardOp:
         """Adds an activation (see :class:`jaxfuse.ActivationMode`)."""

@@ -81,9 +81,11 @@ def test_side_input_errors() -> None:
         execute()  # never set
     with pytest.raises(ValueError, match="z is missing"):
         execute(z=None)
-    with pytest.raises(ValueError, match=r"side has shape \(1, 5, 6\), expected"):
+    with pytest.raises(ValueError, match=r"set_side_input_add: z has shape \(1, 5, 6\), "
+                                          "expected"):
         execute(z=jnp.ones(out_shape[:3], jnp.float16))
-    with pytest.raises(TypeError, match="side has dtype float32, expected float16"):
+    with pytest.raises(TypeError, match="set_side_input_add: z has dtype float32, expected "
+                                        "float16"):
         execute(z=jnp.ones(out_shape, jnp.float32))
     with pytest.raises(TypeError, match="SideInputAddOp"):
         jf.OperatorArgs().set_side_input_add(handles["A"], jnp.ones(out_shape, jnp.float16))
