@@ -267,8 +267,11 @@ def test_fp32_through_tf32_matches_the_reference(case, monkeypatch) -> None:
     gpu = jax.devices("gpu")[0]
     plan, _ = case.build()
     plan.compile(gpu, solver="fused")
-    # Hopper takes NHWC plans with 32k input channels per group on its wgmma kernel.
-    hopper = (getattr(gpu, "compute_capability", "") == "9.0" and case.layout == "NHWC"
+    # Hopper takes NHWC plans with 32k input channels per group on its wgmma kernel; an NCHW
+    # plan runs there too where its NHWC form measured faster (the forms are timed against
+    # each other at every size: a 2x64x9x9 plan took the form on an H200, 2026-12-07).
+    nhwc = case.layout == "NHWC" or plan.kernel_info.get("input_layout", "").startswith("NHWC")
+    hopper = (getattr(gpu, "compute_capability", "") == "9.0" and nhwc
               and (case.c // case.groups) % 32 == 0)
     assert plan.solver == ("conv_wgmma" if hopper else "conv_igemm"), plan.kernel_info
     run_case(case, gpu, solver="fused")
