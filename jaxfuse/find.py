@@ -191,11 +191,17 @@ def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     at that size) it costs the selection only what it outlasts them by. It holds the device
     while it autotunes, as every measurement does; the kernel's autotuner then waits for it,
     and the plan reports that wait (:func:`jaxfuse.compiled.compile_signature`'s "waited")."""
-    if device.platform.lower() == "cpu" or any(d == 0 for d in signature.output_shape):
+    if not _compiles_ahead(device) or any(d == 0 for d in signature.output_shape):
         return
     if extension().cache_load(_measured_key(signature, device)) is not None:
         return
     _worker.submit(_compile_xla_ahead, signature, device, trial)
+
+
+def _compiles_ahead(device: Any) -> bool:
+    """Whether compile_ahead runs on `device`'s platform: GPUs (a CPU's kernel step is quick,
+    leaving nothing to overlap), which are also the only readers of _mark_measured's records."""
+    return device.platform.lower() != "cpu"
 
 
 def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
@@ -255,9 +261,8 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
 
 
 def _mark_measured(signature: PlanSignature, device: Any) -> None:
-    """Records that `signature`'s decision on `device` is on disk (see compile_ahead, which
-    reads it on GPUs only)."""
-    if device.platform.lower() == "cpu":
+    """Records that `signature`'s decision on `device` is on disk, for compile_ahead."""
+    if not _compiles_ahead(device):
         return
     key = _measured_key(signature, device)
     if extension().cache_load(key) is None:
