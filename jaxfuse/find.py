@@ -36,6 +36,7 @@ from ._extension import extension
 from .measure import (
     GPU_REWARM_SECONDS,
     Harness,
+    compile_helper_programs,
     device_timing,
     random_operands,
     relative_error,
@@ -180,10 +181,11 @@ class Trial:
 
 
 def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
-    """Starts compiling XLA's candidate for `signature` (and loading its kernels, and the
-    comparison of the candidates' outputs) on the find step's thread, into `trial`, while the
-    caller compiles the fused kernel: on GPUs, where a signature not measured before on this
-    device will be (its decision is then on disk).
+    """Starts compiling XLA's candidate for `signature` (and loading its kernels) on the find
+    step's thread, into `trial`, while the caller compiles the fused kernel: on GPUs, where a
+    signature not measured before on this device will be (its decision is then on disk).
+    The programs that draw the input sets and compare the candidates' outputs compile first,
+    without the device (measure.compile_helper_programs).
 
     XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
     0.3-0.7 s for ResNet-50's chains and 0.8-1.9 s for MobileNetV2's depthwise ones on an H100
@@ -207,10 +209,10 @@ def _compiles_ahead(device: Any) -> bool:
 def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     start = time.perf_counter()
     try:
+        # (the host's share first, holding nothing: a measurement may want the device now)
+        compile_helper_programs(signature, device)
         with device_timing():
-            output = trial.harness(XLA, xla_function(signature), signature, device).load()
-            # (compiles the comparison for outputs of this shape, which every candidate has)
-            relative_error(output, output)
+            trial.harness(XLA, xla_function(signature), signature, device).load()
     except Exception as err:  # (the choice compiles it again, and reports what fails)
         logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
                      signature.describe(), err)

@@ -39,8 +39,9 @@ from ._extension import STOPWATCH_TARGET, extension
 from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
-__all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing", "device_timing",
-           "page_faults", "quiet_runs", "random_operands", "relative_error", "set_count"]
+__all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing",
+           "compile_helper_programs", "device_timing", "page_faults", "quiet_runs",
+           "random_operands", "relative_error", "set_count"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
@@ -151,7 +152,42 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     Values are those of real layers: inputs in [-1, 1), filters scaled by the fan-in, batch-norm
     scales near 1 and variances in [0.5, 2), so every activation mode computes finite results.
     """
-    specs = signature.operands[:-1]  # the scalars come last
+    rng = np.random.default_rng(seed)
+    out = []
+    for index in range(sets):
+        operands = []
+        for number, (spec, (lo, hi), on_device) in enumerate(_operand_draws(signature,
+                                                                            device)):
+            if on_device:
+                stream = jax.device_put(np.uint32(_mix(seed, index, number)), device)
+                operands.append(_device_uniform(stream, spec.shape, spec.dtype.name, lo, hi))
+            else:
+                value = (rng.random(spec.shape, np.float32) * (hi - lo) + lo).astype(spec.dtype)
+                operands.append(jax.device_put(value, device))
+        out.append(tuple(operands))
+    return out
+
+
+def compile_helper_programs(signature: PlanSignature, device: Any) -> None:
+    """Compiles, without running anything, the device programs that :func:`random_operands`
+    and :func:`relative_error` will run for `signature` on `device`: the host's share of
+    drawing the sets and comparing outputs, which XLA takes 0.1-0.25 s for at batch 256 on
+    an H100 (2026-12-07), done where it holds no device that a measurement waits for."""
+    if _platform_kind(device) == "cpu":
+        return
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    stream = jax.ShapeDtypeStruct((), jnp.uint32, sharding=sharding)
+    for spec, (lo, hi), on_device in _operand_draws(signature, device):
+        if on_device:
+            _device_uniform.lower(stream, spec.shape, spec.dtype.name, lo, hi).compile()
+    output = jax.ShapeDtypeStruct(signature.output_shape, signature.dtype, sharding=sharding)
+    _device_error_terms.lower(output, output).compile()
+
+
+def _operand_draws(signature: PlanSignature, device: Any
+                   ) -> list[tuple[Any, tuple[float, float], bool]]:
+    """For each operand but the scalars: its spec, its values' range, and whether it is drawn
+    on the device (large, on a GPU) rather than on the host."""
     fan_in = 1
     if signature.conv is not None:
         fan_in = math.prod(signature.filter_shape) // signature.conv.out_channels
@@ -159,20 +195,9 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
               "w": (-fan_in ** -0.5, fan_in ** -0.5), "scale": (0.5, 1.5),
               "shift": (-1.0, 1.0), "mean": (-0.5, 0.5), "var": (0.5, 2.0)}
     on_host = _platform_kind(device) == "cpu"
-    rng = np.random.default_rng(seed)
-    out = []
-    for index in range(sets):
-        operands = []
-        for number, spec in enumerate(specs):
-            lo, hi = ranges[spec.name]
-            if on_host or math.prod(spec.shape) <= _HOST_RANDOM_ELEMENTS:
-                value = (rng.random(spec.shape, np.float32) * (hi - lo) + lo).astype(spec.dtype)
-                operands.append(jax.device_put(value, device))
-            else:
-                stream = jax.device_put(np.uint32(_mix(seed, index, number)), device)
-                operands.append(_device_uniform(stream, spec.shape, spec.dtype.name, lo, hi))
-        out.append(tuple(operands))
-    return out
+    return [(spec, ranges[spec.name],
+             not on_host and math.prod(spec.shape) > _HOST_RANDOM_ELEMENTS)
+            for spec in signature.operands[:-1]]  # (the scalars come last)
 
 
 def _mix(*words: int) -> int:

@@ -4,14 +4,16 @@ only for signatures not measured before on the device; the kernel's wait for it 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
 import jax
+import numpy as np
 import pytest
 from cases import Case
 
-from jaxfuse import compiled, find, solvers
+from jaxfuse import compiled, find, measure, solvers
 from jaxfuse.bench.selection import StepRecorder
 
 pytestmark = pytest.mark.usefixtures("fresh_cache")
@@ -32,7 +34,7 @@ def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> N
     with recorder.active():
         find._compile_xla_ahead(signature, CPU, trial)
     assert trial.ahead_seconds > 0
-    assert [step for _, step, _ in recorder.steps] == ["sets", "compile", "load", "compare"]
+    assert [step for _, step, _ in recorder.steps] == ["helpers", "sets", "compile", "load"]
     assert {phase for phase, _, _ in recorder.steps} == {"xla_ahead"}
     compiles = []
     original = find.Harness.compile
@@ -48,6 +50,57 @@ def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> N
     decision = find._measure(signature, CPU, kernel, trial)
     assert set(dict(decision.times_us)) == {"xla", "fused"} and not decision.failures
     assert len(compiles) == 1 and not drawn  # the fused candidate's only; the sets kept
+
+
+def test_the_helper_programs_compile_before_the_device_is_held(monkeypatch) -> None:
+    """Their compiles are host work: a measurement on another thread (the kernel's autotuner)
+    may hold the device meanwhile; XLA's candidate then compiles holding it (it autotunes)."""
+    held = []
+
+    @contextlib.contextmanager
+    def device_timing():
+        held.append(True)
+        try:
+            yield
+        finally:
+            held.pop()
+
+    monkeypatch.setattr(find, "device_timing", device_timing)
+    helpers = []
+    monkeypatch.setattr(find, "compile_helper_programs", lambda *args: helpers.append(bool(held)))
+    compiles = []
+    original = find.Harness.compile
+    monkeypatch.setattr(find.Harness, "compile",
+                        lambda *args, **kwargs: compiles.append(bool(held)) or original(*args,
+                                                                                        **kwargs))
+    trial = find.Trial()
+    find._compile_xla_ahead(_signature(), CPU, trial)
+    assert helpers == [False] and compiles == [True] and trial.ahead_seconds > 0
+
+
+def test_helper_programs_compiled_ahead_are_not_compiled_again(monkeypatch) -> None:
+    """What compile_helper_programs compiles is what drawing the sets and comparing outputs
+    then run (on a GPU: the CPU stands in, drawing on the device as a GPU does)."""
+    monkeypatch.setattr(measure, "_platform_kind", lambda device: "gpu")
+    big = Case(ops="CBNA", dtype="bfloat16", layout="NCHW", filter_layout="OIHW", n=2, c=48,
+               h=110, w=101, k=24)  # (x: 1.07 M elements, above _HOST_RANDOM_ELEMENTS)
+    signature = big.build()[0].signature
+    compiles = []
+
+    def listener(event, seconds, **kwargs):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    measure.compile_helper_programs(signature, CPU)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        (x, *_), *_ = measure.random_operands(signature, CPU, 2)
+        output = jax.device_put(np.zeros(signature.output_shape, signature.dtype), CPU)
+        measure._device_error_terms(output, output)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert x.shape == signature.operands[0].shape and x.dtype == signature.dtype
+    assert not compiles
 
 
 def test_only_signatures_not_measured_before_on_a_gpu_compile_ahead(monkeypatch) -> None:

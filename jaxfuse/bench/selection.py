@@ -34,6 +34,7 @@ from .layers import SUITES
 
 # What the find step calls, by the name it is recorded under: (module, attribute).
 _STEPS = {"sets": (find, "random_operands"), "compare": (find, "relative_error"),
+          "helpers": (find, "compile_helper_programs"),
           "load": (measure.Harness, "load"), "run": (measure.Harness, "run")}
 # The selection's phases, named as in kernel_info["compile_s"]: the caller's (the forms'
 # timing, the choice), and XLA's candidate compiled ahead on the find step's thread.
