@@ -14,9 +14,14 @@
 #                                                  (python -m jaxfuse.bench.selection: each
 #                                                   plan's compile in auto mode, step by step,
 #                                                   in an empty cache of its own)
+#   cold_run MODEL:DTYPE:BATCHES SECONDS           (python -m jaxfuse.bench.cold_start: the
+#                                                   model's first call under plain jit and
+#                                                   each solver mode, a fresh process and
+#                                                   an empty cache each)
 #   queue_item [VAR=value[,VAR=value]@]KIND:ARGS SECONDS
 #                                                  (one queue item, KIND layers, models,
-#                                                   tests, probe or selection, in a subshell
+#                                                   tests, probe, selection or cold, in a
+#                                                   subshell
 #                                                   with the variables set and its files named
 #                                                   apart)
 #   tests_run NAME[,NAME...] SECONDS               (the GPU tests `-k "NAME or NAME"` selects,
@@ -98,6 +103,7 @@ queue_item() (
     tests) tests_run "${work#*:}" "$2" ;;
     probe) probe_run "${work#*:}" "$2" ;;
     selection) selection_run "${work#*:}" "$2" ;;
+    cold) cold_run "${work#*:}" "$2" ;;
     *) echo "unknown queue item: $1"; exit 2 ;;
   esac
 )
@@ -132,6 +138,21 @@ selection_run() {
   rm -rf "$cache"
   finished "$1" "$rc" "$start"
   grep -v -E "^(W|I)[0-9]{4}" "$OUT/selection_$tag.log" | tail -60
+  return $rc
+}
+
+cold_run() {
+  local model dtype batches tag start rc
+  IFS=: read -r model dtype batches <<< "$1"
+  tag="${model}_${dtype}_${batches//,/_}${ITEM_TAG:-}"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py -m jaxfuse.bench.cold_start --model "$model" --dtype "$dtype" \
+    --batch ${batches//,/ } --json "$OUT/cold_$tag.json" > "$OUT/cold_$tag.log" 2>&1
+  rc=$?
+  finished "$1" "$rc" "$start"
+  tail -20 "$OUT/cold_$tag.log"
   return $rc
 }
 

@@ -447,3 +447,25 @@ def test_a_stall_probe_that_fails_costs_the_row_nothing_else(monkeypatch) -> Non
     _probe_stalls(row, {"xla": None, "fused": None}, [()])
     assert row["stalls"]["fused"] == {"error": "RuntimeError: Profile has already been started"}
     assert "error" in row["stalls"]["control"]  # (no program to run beside it either)
+
+
+def test_a_cold_start_runs_in_a_fresh_process_with_an_empty_cache() -> None:
+    from jaxfuse.bench import cold_start
+
+    row = cold_start.measure("mobilenet", "float32", 1, "fused", timeout=600)
+    assert "error" not in row, row
+    assert row["cache_entries_at_start"] == 0 and row["plans"] > 0
+    assert row["first_call_s"] > row["second_call_s"] > 0
+
+
+def test_a_cold_start_row_gives_the_selection_per_plan_and_the_wait_beyond_plain() -> None:
+    from jaxfuse.bench import cold_start
+
+    row = {"model": "m", "dtype": "float32", "batch": 8,
+           "plain": {"first_call_s": 3.0}, "auto": {"first_call_s": 9.0, "plans": 4},
+           "fused": {"first_call_s": 5.0, "plans": 4}}
+    line = cold_start._line(row, ["plain", "auto", "fused"])
+    assert line.split()[-3:] == ["4", "1.00", "+6.00"]
+    row["auto"] = {"error": "exit 1: FusionError: ..."}
+    line = cold_start._line(row, ["plain", "auto", "fused"])
+    assert "ERROR" in line and "auto: exit 1" in line

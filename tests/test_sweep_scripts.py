@@ -81,6 +81,14 @@ def test_a_selection_item_profiles_a_suite_in_an_empty_cache(tmp_path) -> None:
     assert log.splitlines()[-1].strip() == "0"  # (the cache it was given was empty)
 
 
+def test_a_cold_item_times_a_model_s_first_call(tmp_path) -> None:
+    rc, printed, files = _queue_item(tmp_path, "cold:mobilenetv2-independent:float32:8,256")
+    assert rc == 0 and "exit 0" in printed
+    log = files["cold_mobilenetv2-independent_float32_8_256.log"]
+    assert ("-m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 "
+            "--batch 8 256 --json") in log
+
+
 def test_a_cut_item_s_status_comes_back(tmp_path) -> None:
     rc, printed, _ = _queue_item(tmp_path, "probe:na/NA_C64_H112:float16:NHWC:1", STUB_RC="124")
     assert rc == 124 and "exit 124" in printed
