@@ -153,11 +153,11 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     scales near 1 and variances in [0.5, 2), so every activation mode computes finite results.
     """
     rng = np.random.default_rng(seed)
+    draws = _operand_draws(signature, device)
     out = []
     for index in range(sets):
         operands = []
-        for number, (spec, (lo, hi), on_device) in enumerate(_operand_draws(signature,
-                                                                            device)):
+        for number, (spec, (lo, hi), on_device) in enumerate(draws):
             if on_device:
                 stream = jax.device_put(np.uint32(_mix(seed, index, number)), device)
                 operands.append(_device_uniform(stream, spec.shape, spec.dtype.name, lo, hi))
@@ -171,8 +171,8 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
 def compile_helper_programs(signature: PlanSignature, device: Any) -> None:
     """Compiles, without running anything, the device programs that :func:`random_operands`
     and :func:`relative_error` will run for `signature` on `device`: the host's share of
-    drawing the sets and comparing outputs, which XLA takes 0.1-0.25 s for at batch 256 on
-    an H100 (2026-12-07), done where it holds no device that a measurement waits for."""
+    drawing the sets and comparing outputs (XLA's compiles: 0.1-0.25 s at batch 256 on an
+    H200, 2026-12-07), done where it holds no device that a measurement waits for."""
     if _platform_kind(device) == "cpu":
         return
     sharding = jax.sharding.SingleDeviceSharding(device)
