@@ -15,7 +15,8 @@
 #       items from a file: a command line holds 2000 characters). "probe:..." items run
 #       probe_run (scripts/latency_probe.py on one layer case), "selection:..." items
 #       selection_run (each plan's compile step by step, cold), "cold:..." items cold_run
-#       (a model's first call, cold, plain and fused, a process each). An item written
+#       (a model's first call, cold, plain and fused, a process each), "sets:..." items
+#       sets_run (scripts/sets_probe.py: a layer's candidates by input-set count). An item written
 #       VAR=value[,VAR=value]@item runs with those variables set (its files named apart).
 #
 #   SECTIONS_0="layers" LAYER_RUNS_0="..." SECTIONS_1="layers models" MODEL_RUNS_1="..." \

@@ -104,6 +104,7 @@ queue_item() (
     probe) probe_run "${work#*:}" "$2" ;;
     selection) selection_run "${work#*:}" "$2" ;;
     cold) cold_run "${work#*:}" "$2" ;;
+    sets) sets_run "${work#*:}" "$2" ;;
     *) echo "unknown queue item: $1"; exit 2 ;;
   esac
 )
@@ -153,6 +154,21 @@ cold_run() {
   rc=$?
   finished "$1" "$rc" "$start"
   tail -20 "$OUT/cold_$tag.log"
+  return $rc
+}
+
+sets_run() {
+  local layer dtype layout batch counts tag start rc
+  IFS=: read -r layer dtype layout batch counts <<< "$1"
+  tag="${layer}_${dtype}_${layout}_${batch}${ITEM_TAG:-}"
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \
+    $py scripts/sets_probe.py --layer "$layer" --dtype "$dtype" --layout "$layout" \
+    --batch "$batch" ${counts:+--sets ${counts//,/ }} > "$OUT/sets_$tag.log" 2>&1
+  rc=$?
+  finished "$1" "$rc" "$start"
+  grep -v -E "^(W|I)[0-9]{4}" "$OUT/sets_$tag.log" | tail -12
   return $rc
 }
 

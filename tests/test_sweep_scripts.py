@@ -1,7 +1,7 @@
 """The GPU sweep's scripts, run here with a stand-in for Python: a queue item of
 scripts/gpu_runs.sh runs with its own variables and names its files apart, a malformed or
-unknown item is refused, a cut item's status comes back; scripts/sweep_table.py keeps runs
-with variables apart."""
+unknown item is refused, a cut item's status comes back, the queues name what exists;
+scripts/sweep_table.py keeps runs with variables apart; scripts/sets_probe.py runs."""
 
 from __future__ import annotations
 
@@ -89,9 +89,58 @@ def test_a_cold_item_times_a_model_s_first_call(tmp_path) -> None:
             "--batch 8 256 --json") in log
 
 
+def test_a_sets_item_probes_a_layer_by_set_count(tmp_path) -> None:
+    rc, printed, files = _queue_item(tmp_path, "sets:mb2_dw_7_960:bfloat16:NHWC:256:1,5")
+    assert rc == 0 and "exit 0" in printed
+    log = files["sets_mb2_dw_7_960_bfloat16_NHWC_256.log"]
+    assert ("scripts/sets_probe.py --layer mb2_dw_7_960 --dtype bfloat16 --layout NHWC "
+            "--batch 256 --sets 1 5") in log
+
+
+def test_the_sets_probe_times_both_candidates_for_each_count() -> None:
+    """The probe itself, on the CPU: a row per set count, each from a process of its own."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sets_probe.py"),
+                           "--layer", "mb2_dw_7_960", "--batch", "1", "--sets", "1", "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line[:4].strip().isdigit()]
+    assert [row[0] for row in rows] == ["1", "2"] and "failed" not in done.stdout
+
+
 def test_a_cut_item_s_status_comes_back(tmp_path) -> None:
     rc, printed, _ = _queue_item(tmp_path, "probe:na/NA_C64_H112:float16:NHWC:1", STUB_RC="124")
     assert rc == 124 and "exit 124" in printed
+
+
+@pytest.mark.parametrize("queue", sorted((ROOT / "benchmarks" / "sweeps").glob("*.queue")),
+                         ids=lambda path: path.name)
+def test_every_queued_item_names_what_exists(queue: Path) -> None:
+    """A misspelt item costs a device call its slot: each names a kind of queue_item and
+    suites, layers, models and test files that exist."""
+    from jaxfuse.bench.end_to_end import MODELS
+    from jaxfuse.bench.layers import SUITES
+
+    layers = {layer.name for suite in SUITES.values() for layer in suite}
+    for line in queue.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        item = line.split("@", 1)[-1]
+        kind, _, rest = item.partition(":")
+        fields = rest.split(":")
+        if kind in ("layers", "selection"):
+            assert fields[0] in SUITES, line
+        elif kind == "sets":
+            assert fields[0] in layers, line
+        elif kind == "probe":
+            suite, _, layer = fields[0].partition("/")
+            assert suite in SUITES and layer in layers, line
+        elif kind in ("models", "cold"):
+            assert fields[0] in MODELS, line
+        elif kind == "tests":
+            for name in fields[0].split(","):
+                assert (ROOT / "tests" / f"{name}.py").is_file(), line
+        else:
+            pytest.fail(f"unknown kind: {line}")
 
 
 def test_sweep_table_keeps_runs_with_variables_apart(tmp_path) -> None:

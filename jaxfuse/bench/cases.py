@@ -40,7 +40,10 @@ class BenchCase:
         """The case of `layer` (or the suites' layer of that name) running `chain`; layers
         without a convolution run NA on their input as it is."""
         if isinstance(layer, str):
-            layer = next(L for suite in SUITES.values() for L in suite if L.name == layer)
+            named = [L for suite in SUITES.values() for L in suite if L.name == layer]
+            if not named:
+                raise ValueError(f"no benchmark layer is named {layer!r}")
+            layer = named[0]
         if not layer.has_conv:
             return cls(layer, n, dtype, layout, "NA")
         if filter_dtype is not None and np.dtype(filter_dtype) == np.dtype(dtype):

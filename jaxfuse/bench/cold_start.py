@@ -80,16 +80,19 @@ def measure(model_name: str, dtype: str, batch: int, program: str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxfuse.bench.cold_start",
-                                     description=__doc__.split("\n")[0])
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "DTYPE", "BATCH", "PROGRAM"),
                         help=argparse.SUPPRESS)
-    parser.add_argument("--model", nargs="+", default=["mobilenetv2-independent"])
+    parser.add_argument("--model", nargs="+", default=["mobilenetv2-independent"],
+                        help="models of python -m jaxfuse.bench.end_to_end")
     parser.add_argument("--dtype", nargs="+", default=["float32"])
     parser.add_argument("--batch", nargs="+", type=int, default=[256])
-    parser.add_argument("--program", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
+    parser.add_argument("--program", nargs="+", default=list(PROGRAMS), choices=PROGRAMS,
+                        help="plain: jax.jit(apply); auto, fused: jax.jit(fuse(apply)) "
+                             "in that solver mode")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one program's process may take")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
     if args.child:
         model_name, dtype, batch, program = args.child
