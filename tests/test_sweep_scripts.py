@@ -81,20 +81,19 @@ def test_a_selection_item_profiles_a_suite_in_an_empty_cache(tmp_path) -> None:
     assert log.splitlines()[-1].strip() == "0"  # (the cache it was given was empty)
 
 
-def test_a_cold_item_times_a_model_s_first_call(tmp_path) -> None:
-    rc, printed, files = _queue_item(tmp_path, "cold:mobilenetv2-independent:float32:8,256")
+@pytest.mark.parametrize("item, log_name, command", [
+    ("cold:mobilenetv2-independent:float32:8,256",  # a model's first call, cold
+     "cold_mobilenetv2-independent_float32_8_256.log",
+     "-m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 "
+     "--batch 8 256 --json"),
+    ("sets:mb2_dw_7_960:bfloat16:NHWC:256:1,5",  # a layer's candidates by set count
+     "sets_mb2_dw_7_960_bfloat16_NHWC_256.log",
+     "scripts/sets_probe.py --layer mb2_dw_7_960 --dtype bfloat16 --layout NHWC "
+     "--batch 256 --sets 1 5")], ids=["cold", "sets"])
+def test_an_item_runs_its_command(tmp_path, item: str, log_name: str, command: str) -> None:
+    rc, printed, files = _queue_item(tmp_path, item)
     assert rc == 0 and "exit 0" in printed
-    log = files["cold_mobilenetv2-independent_float32_8_256.log"]
-    assert ("-m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 "
-            "--batch 8 256 --json") in log
-
-
-def test_a_sets_item_probes_a_layer_by_set_count(tmp_path) -> None:
-    rc, printed, files = _queue_item(tmp_path, "sets:mb2_dw_7_960:bfloat16:NHWC:256:1,5")
-    assert rc == 0 and "exit 0" in printed
-    log = files["sets_mb2_dw_7_960_bfloat16_NHWC_256.log"]
-    assert ("scripts/sets_probe.py --layer mb2_dw_7_960 --dtype bfloat16 --layout NHWC "
-            "--batch 256 --sets 1 5") in log
+    assert command in files[log_name]
 
 
 def test_the_sets_probe_times_both_candidates_for_each_count() -> None:
