@@ -58,16 +58,13 @@ def measure(model_name: str, dtype: str, batch: int, program: str,
             timeout: float) -> dict[str, Any]:
     """:func:`child` in a new process with an empty kernel cache of its own."""
     with tempfile.TemporaryDirectory(prefix="jaxfuse-cold-") as cache:
-        # The child imports the very package this process imported: `-m` would put the
-        # working directory first on sys.path, and from a checkout that is the source folder,
-        # which holds no extension when the package was installed.
-        package_root = str(Path(__file__).resolve().parents[2])
-        search_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "JAXFUSE_CACHE_DIR": cache, "PYTHONPATH": search_path}
-        command = [sys.executable, "-m", "jaxfuse.bench.cold_start", "--child", model_name,
-                   dtype, str(batch), program]
+        env = {**os.environ, "JAXFUSE_CACHE_DIR": cache}
+        # -P: not the working directory first on sys.path, which from a checkout is the source
+        # folder, without the extension when the package was installed (as compile_time does)
+        command = [sys.executable, "-P", "-m", "jaxfuse.bench.cold_start", "--child",
+                   model_name, dtype, str(batch), program]
         try:
-            done = subprocess.run(command, env=env, cwd=cache, capture_output=True, text=True,
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"error": f"over {timeout:.0f} s"}
