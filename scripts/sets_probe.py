@@ -6,8 +6,9 @@
 For each set count, in a process of its own (XLA's autotuning results are a process's), as
 ``find._measure`` does it: draws the sets, compiles XLA's candidate and the fused kernel's
 (the form the find step times) into their timing programs, loads them (their first run),
-times both (``Harness.run``), and prints the seconds each step took and the microseconds per
-set of each candidate.
+times both (``Harness.run``), compiles and loads XLA's program once more (its autotuning
+then cached), and prints the seconds each step took and the microseconds per set of each
+candidate.
 
 Why: on an H100 (2026-12-07) XLA's candidate for MobileNetV2's mb2_dw_7_960 chain at batch
 256 took 1.0-1.27 s to load in bf16 NHWC (5 sets) and 0.33-0.42 s in fp32 NCHW (2 sets), the
@@ -58,6 +59,15 @@ def probe(layer: str, dtype: str, layout: str, batch: int, chain: str, sets: int
         _, timing = harness.run()
         row[f"{name}_device_us"] = timing.device * 1e6
         row[f"{name}_host_us"] = timing.host * 1e6
+    # The same program compiled and loaded again, as a new executable: what is left of the
+    # compile once XLA's autotuning results are cached (as they are for the program that
+    # jax.jit compiles next in this process), and whether the load repeats per executable.
+    start = time.perf_counter()
+    again = measure.Harness.compile(find.xla_function(signature), operands, device)
+    row["xla_again_compile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    again.load()
+    row["xla_again_load_s"] = time.perf_counter() - start
     return row
 
 
@@ -76,7 +86,8 @@ def main() -> None:
         return
     print(f"{a.layer} {a.dtype} {a.layout} batch {a.batch} {a.chain}: a process a row")
     print(f"{'sets':>4} {'draw s':>7} {'xla comp':>8} {'xla load':>8} {'xla us':>8} "
-          f"{'fus comp':>8} {'fus load':>8} {'fused us':>8}", flush=True)
+          f"{'fus comp':>8} {'fus load':>8} {'fused us':>8} {'again c':>8} {'again l':>8}",
+          flush=True)
     for count in a.sets:
         command = [sys.executable, __file__, "--child", "--layer", a.layer, "--dtype", a.dtype,
                    "--layout", a.layout, "--batch", str(a.batch), "--chain", a.chain,
@@ -90,7 +101,8 @@ def main() -> None:
         r = json.loads(lines[-1])
         print(f"{count:>4} {r['draw_s']:7.2f} {r['xla_compile_s']:8.2f} {r['xla_load_s']:8.2f} "
               f"{r['xla_device_us']:8.1f} {r['fused_compile_s']:8.2f} {r['fused_load_s']:8.2f} "
-              f"{r['fused_device_us']:8.1f}   (the find step's own count: "
+              f"{r['fused_device_us']:8.1f} {r['xla_again_compile_s']:8.2f} "
+              f"{r['xla_again_load_s']:8.2f}   (the find step's own count: "
               f"{r['default_sets']}; {r['device']})", flush=True)
 
 
