@@ -272,6 +272,11 @@ NB_MODULE(_jaxfuse_ext, m) {
     return jaxfuse::gpu::Driver::Get(ParsePlatform(platform)).DeviceName(ordinal);
   }, nb::arg("platform"), nb::arg("ordinal"));
 
+  m.def("gpu_l2_bytes", [](std::string_view platform, int ordinal) {
+    return jaxfuse::gpu::Driver::Get(ParsePlatform(platform)).L2Bytes(ordinal);
+  }, nb::arg("platform"), nb::arg("ordinal"),
+     "The device's L2 cache in bytes (0 where it cannot be read).");
+
   m.def("gpu_cache", [](bool keys) {
     auto& disk = jaxfuse::gpu::DiskCache::Global();
     nb::dict out;

@@ -485,6 +485,8 @@ def _environment_key(device_kind: str, platform: str) -> str:
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     platform = device.platform.lower()
     environment = _environment_key(device.device_kind, platform)
+    # v9 (GPUs only): large plans timed on fewer sets, enough to cover the L2 cache twice
+    # (measure.set_count).
     # v8 (GPUs only): closeness for the second window judged on the times the choice compares
     # (v7 judged it on the costs, so a device-bound fused kernel against XLA's long launches
     # rarely got one), and that window after 5 ms of warm-up. v7 (GPUs): candidates timed
@@ -494,5 +496,5 @@ def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).
     # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
     # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
-    version = 6 if platform == "cpu" else 8
+    version = 6 if platform == "cpu" else 9
     return f"jaxfuse-solver-v{version}|{environment}|{fused.label}|{signature.encode()}"

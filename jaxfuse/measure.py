@@ -48,6 +48,13 @@ __all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing",
 # (at least, and at most while the time budget lasts).
 _SET_BUDGET = {"cpu": 4 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
+# GPUs: no more sets than it takes for them to cover the L2 cache this many times over. The
+# sets only keep a run from finding its operands in L2, left there by its last run; once the
+# other sets' traffic between two runs of one set exceeds the L2, that set is gone from it, and
+# each further set costs the find step the load of one more copy of XLA's candidate: cuDNN
+# builds a plan per convolution of the program (0.2 s a set for MobileNetV2's depthwise chains
+# at batch 256 on an H100, 2026-12-07, whose 5 sets put mb2_dw_7_960's selection at 2.4-2.9 s).
+_GPU_CACHE_COVER = 2.0
 # CPUs: filters this large, read for at most _CPU_COLD_PIXELS output pixels a set (so that
 # reading them, not the arithmetic, sets the pace), are timed cold (set_count): the sets'
 # filters together exceed a last-level cache of this size. Others would need more sets than
@@ -117,8 +124,18 @@ def _platform_kind(device: Any) -> str:
     return "cpu" if device.platform.lower() == "cpu" else "gpu"
 
 
+@functools.cache
+def gpu_l2_bytes(device: Any) -> int:
+    """`device`'s L2 cache in bytes, 0 where the driver does not tell (ROCm)."""
+    try:
+        return int(extension().gpu_l2_bytes(gpu_platform(device), gpu_ordinal(device)))
+    except Exception:  # (an extension without the binding, a driver that refuses)
+        return 0
+
+
 def set_count(signature: PlanSignature, device: Any) -> int:
-    """How many distinct input sets fit the harness's memory budget (1 to 8). On CPUs at
+    """How many distinct input sets fit the harness's memory budget (1 to 8), on GPUs no
+    more than cover the L2 cache :data:`_GPU_CACHE_COVER` times over. On CPUs at
     least :data:`_CPU_SETS` while they take at most :data:`_CPU_CONV_BYTES`
     (:data:`_CPU_POINTWISE_BYTES` without a convolution), and, for filters of
     :data:`_CPU_COLD_FILTERS` or more read for at most :data:`_CPU_COLD_PIXELS` output pixels,
@@ -133,6 +150,8 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     nbytes += math.prod(signature.output_shape) * signature.dtype.itemsize
     kind = _platform_kind(device)
     count = int(min(_MAX_SETS, max(1, _SET_BUDGET[kind] // max(nbytes, 1))))
+    if kind == "gpu" and (l2 := gpu_l2_bytes(device)):
+        count = min(count, max(1, math.ceil(_GPU_CACHE_COVER * l2 / max(nbytes, 1))))
     filters = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands
                   if s.name == "w")
     if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and
