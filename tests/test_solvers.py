@@ -102,6 +102,24 @@ def test_a_device_bound_fused_kernel_is_compared_on_device_time(device_us, host_
                                               else "xla")
 
 
+def test_gpu_plans_get_as_many_sets_as_cover_the_l2_twice(monkeypatch) -> None:
+    """GPUs: sets beyond those that flush the L2 between two runs of one set buy nothing and
+    cost the find step a load of XLA's candidate each (measure._GPU_CACHE_COVER)."""
+    import types
+
+    from jaxfuse import measure
+
+    gpu = types.SimpleNamespace(platform="gpu")
+    big = Case(ops="NA", dtype="bfloat16", layout="NHWC", n=256, c=960, h=7, w=7).build()[0]
+    small = Case(ops="NA", dtype="bfloat16", layout="NHWC", n=1, c=960, h=7, w=7).build()[0]
+    monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 50 << 20)
+    # 48 MB a set: 3 cover 100 MiB (the 256 MB budget alone gives 5); small sets: all 8.
+    assert measure.set_count(big.signature, gpu) == 3
+    assert measure.set_count(small.signature, gpu) == measure._MAX_SETS
+    monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 0)  # unknown (ROCm): budget
+    assert measure.set_count(big.signature, gpu) == 5
+
+
 def test_cpu_plans_are_timed_on_several_sets() -> None:
     from jaxfuse import measure
 
