@@ -51,10 +51,17 @@ _MAX_SETS = 8
 # GPUs: no more sets than it takes for them to cover the L2 cache this many times over. The
 # sets only keep a run from finding its operands in L2, left there by its last run; once the
 # other sets' traffic between two runs of one set exceeds the L2, that set is gone from it, and
-# each further set costs the find step the load of one more copy of XLA's candidate: cuDNN
-# builds a plan per convolution of the program (0.2 s a set for MobileNetV2's depthwise chains
-# at batch 256 on an H100, 2026-12-07, whose 5 sets put mb2_dw_7_960's selection at 2.4-2.9 s).
+# each further set costs the find step the load of one more copy of XLA's candidate (the
+# first run of each convolution of the program builds its cuDNN plan, again in every new
+# executable). H100, 2026-12-07, mb2_dw_7_960 bf16 NHWC at batch 256 (48 MB a set): XLA's
+# load 0.16, 0.28, 0.52 and 0.82 s on 1, 2, 3 and 5 sets, its time a set within 2% from 2 sets
+# to 5 (scripts/sets_probe.py).
 _GPU_CACHE_COVER = 2.0
+# ... but at least two where the budget allows: a program of one set counts the fixed cost of
+# its start once a set, 2-4 us more for XLA's composition than for the fused kernel (H100,
+# 2026-12-07: XLA's mb2_dw_7_960 per set 52.3 us on one set, 50.5 on two, 49.6 on five; the
+# fused kernel's 21.4, 21.2, 19.6), as much as the choice's margin on a 100 us op.
+_GPU_MIN_SETS = 2
 # CPUs: filters this large, read for at most _CPU_COLD_PIXELS output pixels a set (so that
 # reading them, not the arithmetic, sets the pace), are timed cold (set_count): the sets'
 # filters together exceed a last-level cache of this size. Others would need more sets than
@@ -135,7 +142,8 @@ def gpu_l2_bytes(device: Any) -> int:
 
 def set_count(signature: PlanSignature, device: Any) -> int:
     """How many distinct input sets fit the harness's memory budget (1 to 8), on GPUs no
-    more than cover the L2 cache :data:`_GPU_CACHE_COVER` times over. On CPUs at
+    more than cover the L2 cache :data:`_GPU_CACHE_COVER` times over (and at least
+    :data:`_GPU_MIN_SETS` where the budget allows). On CPUs at
     least :data:`_CPU_SETS` while they take at most :data:`_CPU_CONV_BYTES`
     (:data:`_CPU_POINTWISE_BYTES` without a convolution), and, for filters of
     :data:`_CPU_COLD_FILTERS` or more read for at most :data:`_CPU_COLD_PIXELS` output pixels,
@@ -151,7 +159,7 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     kind = _platform_kind(device)
     count = int(min(_MAX_SETS, max(1, _SET_BUDGET[kind] // max(nbytes, 1))))
     if kind == "gpu" and (l2 := gpu_l2_bytes(device)):
-        count = min(count, max(1, math.ceil(_GPU_CACHE_COVER * l2 / max(nbytes, 1))))
+        count = min(count, max(_GPU_MIN_SETS, math.ceil(_GPU_CACHE_COVER * l2 / max(nbytes, 1))))
     filters = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands
                   if s.name == "w")
     if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and

@@ -15,7 +15,8 @@
 #                                                   plan's compile in auto mode, step by step,
 #                                                   in an empty cache of its own)
 #   cold_run MODEL:DTYPE:BATCHES SECONDS           (python -m jaxfuse.bench.cold_start: the
-#                                                   model's first call under plain jit and
+#                                                   model's (or LAYER/LAYOUT's chain's)
+#                                                   first call under plain jit and
 #                                                   each solver mode, a fresh process and
 #                                                   an empty cache each)
 #   queue_item [VAR=value[,VAR=value]@]KIND:ARGS SECONDS
@@ -145,7 +146,7 @@ selection_run() {
 cold_run() {
   local model dtype batches tag start rc
   IFS=: read -r model dtype batches <<< "$1"
-  tag="${model}_${dtype}_${batches//,/_}${ITEM_TAG:-}"
+  tag="${model//\//-}_${dtype}_${batches//,/_}${ITEM_TAG:-}"
   start=$(date +%s)
   # shellcheck disable=SC2086
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 30 "$2" \

@@ -449,12 +449,18 @@ def test_a_stall_probe_that_fails_costs_the_row_nothing_else(monkeypatch) -> Non
     assert "error" in row["stalls"]["control"]  # (no program to run beside it either)
 
 
-def test_a_cold_start_runs_in_a_fresh_process_with_an_empty_cache() -> None:
+@pytest.mark.parametrize("model, solver, plans", [
+    ("mobilenet", "fused", None),
+    ("mb2_dw_7_960/NCHW", "auto", 1),  # one layer's chain: one signature, selected
+], ids=["model", "layer"])
+def test_a_cold_start_runs_in_a_fresh_process_with_an_empty_cache(model: str, solver: str,
+                                                                  plans: int | None) -> None:
     from jaxfuse.bench import cold_start
 
-    row = cold_start.measure("mobilenet", "float32", 1, "fused", timeout=600)
+    row = cold_start.measure(model, "float32", 1, solver, timeout=600)
     assert "error" not in row, row
     assert row["cache_entries_at_start"] == 0 and row["plans"] > 0
+    assert plans is None or row["plans"] == plans
     assert row["first_call_s"] > row["second_call_s"] > 0
 
 

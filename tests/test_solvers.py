@@ -116,6 +116,9 @@ def test_gpu_plans_get_as_many_sets_as_cover_the_l2_twice(monkeypatch) -> None:
     # 48 MB a set: 3 cover 100 MiB (the 256 MB budget alone gives 5); small sets: all 8.
     assert measure.set_count(big.signature, gpu) == 3
     assert measure.set_count(small.signature, gpu) == measure._MAX_SETS
+    # Never fewer than 2 while 2 fit the budget (128 MB a set): 4 MiB of L2 would give 1.
+    monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 4 << 20)
+    assert measure.set_count(big.signature, gpu) == measure._GPU_MIN_SETS
     monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 0)  # unknown (ROCm): budget
     assert measure.set_count(big.signature, gpu) == 5
 

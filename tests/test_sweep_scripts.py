@@ -86,10 +86,13 @@ def test_a_selection_item_profiles_a_suite_in_an_empty_cache(tmp_path) -> None:
      "cold_mobilenetv2-independent_float32_8_256.log",
      "-m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 "
      "--batch 8 256 --json"),
+    ("cold:mb2_dw_7_960/NHWC:bfloat16:256",  # one layer's chain as a program
+     "cold_mb2_dw_7_960-NHWC_bfloat16_256.log",
+     "-m jaxfuse.bench.cold_start --model mb2_dw_7_960/NHWC --dtype bfloat16 --batch 256"),
     ("sets:mb2_dw_7_960:bfloat16:NHWC:256:1,5",  # a layer's candidates by set count
      "sets_mb2_dw_7_960_bfloat16_NHWC_256.log",
      "scripts/sets_probe.py --layer mb2_dw_7_960 --dtype bfloat16 --layout NHWC "
-     "--batch 256 --sets 1 5")], ids=["cold", "sets"])
+     "--batch 256 --sets 1 5")], ids=["cold", "cold-layer", "sets"])
 def test_an_item_runs_its_command(tmp_path, item: str, log_name: str, command: str) -> None:
     rc, printed, files = _queue_item(tmp_path, item)
     assert rc == 0 and "exit 0" in printed
@@ -133,8 +136,11 @@ def test_every_queued_item_names_what_exists(queue: Path) -> None:
         elif kind == "probe":
             suite, _, layer = fields[0].partition("/")
             assert suite in SUITES and layer in layers, line
-        elif kind in ("models", "cold"):
+        elif kind == "models":
             assert fields[0] in MODELS, line
+        elif kind == "cold":  # a model, or LAYER/LAYOUT
+            layer, _, layout = fields[0].partition("/")
+            assert fields[0] in MODELS or (layer in layers and layout in ("NCHW", "NHWC")), line
         elif kind == "tests":
             for name in fields[0].split(","):
                 assert (ROOT / "tests" / f"{name}.py").is_file(), line

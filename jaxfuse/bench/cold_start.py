@@ -10,8 +10,15 @@ and runs once. ``auto - fused`` is what the selection adds to the program's star
 over its distinct plans; ``auto - plain`` is what the user waits beyond plain ``jax.jit``.
 Per plan, the selection's steps are ``python -m jaxfuse.bench.selection``'s.
 
+A "model" may also be one layer of the benchmark suites, ``LAYER/LAYOUT`` (its chain as a user
+writes it in jax, :meth:`~jaxfuse.bench.cases.BenchCase.unfused`, which ``fuse`` finds): a
+program of one distinct signature, whose ``auto - plain`` is what the selection adds to that
+signature's first call beyond plain ``jax.jit`` (which compiles, and autotunes, the same
+convolution).
+
     python -m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 \\
         --batch 256
+    python -m jaxfuse.bench.cold_start --model mb2_dw_7_960/NHWC --dtype bfloat16 --batch 256
 """
 
 from __future__ import annotations
@@ -34,20 +41,27 @@ def child(model_name: str, dtype: str, batch: int, program: str) -> dict[str, An
     import jax  # (here: the parent process does not start a backend)
 
     from .. import compiled, fuse
+    from .cases import BenchCase
     from .end_to_end import model_inputs, place
 
     cache = Path(os.environ.get("JAXFUSE_CACHE_DIR", ""))
     entries = sum(1 for _ in cache.rglob("*")) if cache.is_dir() else 0
     device = jax.devices()[0]
-    model, variables, x = model_inputs(model_name, dtype, batch)
-    x, variables = place(x, variables, [device])
-    jax.block_until_ready((x, variables))  # (the backend is up: not the program's start)
-    fn = jax.jit(model.apply if program == "plain" else fuse(model.apply, solver=program))
+    if "/" in model_name:  # one layer's chain
+        layer, layout = model_name.split("/")
+        case = BenchCase.for_layer(layer, batch, dtype, layout, "CBNA")
+        apply, args = case.unfused(), case.arg_sets(1, device)[0]
+    else:
+        model, variables, x = model_inputs(model_name, dtype, batch)
+        x, variables = place(x, variables, [device])
+        apply, args = model.apply, (variables, x)
+    jax.block_until_ready(args)  # (the backend is up: not the program's start)
+    fn = jax.jit(apply if program == "plain" else fuse(apply, solver=program))
     start = time.perf_counter()
-    jax.block_until_ready(fn(variables, x))
+    jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
     start = time.perf_counter()
-    jax.block_until_ready(fn(variables, x))
+    jax.block_until_ready(fn(*args))
     return {"model": model_name, "dtype": dtype, "batch": batch, "program": program,
             "device": device.device_kind, "first_call_s": first,
             "second_call_s": time.perf_counter() - start,
@@ -81,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=4, metavar=("MODEL", "DTYPE", "BATCH", "PROGRAM"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--model", nargs="+", default=["mobilenetv2-independent"],
-                        help="models of python -m jaxfuse.bench.end_to_end")
+                        help="models of python -m jaxfuse.bench.end_to_end, or LAYER/LAYOUT: "
+                             "one layer of the benchmark suites")
     parser.add_argument("--dtype", nargs="+", default=["float32"])
     parser.add_argument("--batch", nargs="+", type=int, default=[256])
     parser.add_argument("--program", nargs="+", default=list(PROGRAMS), choices=PROGRAMS,
