@@ -18,6 +18,7 @@ jaxfuse and its kernel sources, ``XLA_FLAGS``, the fused kernel's tile and the p
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -38,6 +39,7 @@ from .measure import (
     Harness,
     compile_helper_programs,
     device_timing,
+    operand_shapes,
     random_operands,
     relative_error,
     set_count,
@@ -101,6 +103,8 @@ _stats = {"measured": 0, "disk_hits": 0}
 # function is being traced, where jax ops would be staged instead of run), and measurements
 # never overlap.
 _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfuse-find")
+# ... and one compiles, beside it, what drawing the sets and comparing outputs will run.
+_helper_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfuse-helpers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +165,7 @@ class Trial:
     def __init__(self) -> None:
         self._sets: list[tuple[Any, ...]] | None = None
         self._harnesses: dict[str, Harness] = {}  # by candidate: XLA or a form's label
+        self._shaped: set[str] = set()  # candidates compiled on the sets' shapes, not yet run
         self.ahead_seconds: float | None = None  # what compile_ahead took, once it ran
 
     def sets(self, signature: PlanSignature, device: Any) -> list[tuple[Any, ...]]:
@@ -170,22 +175,33 @@ class Trial:
         return self._sets
 
     def harness(self, candidate: str, fn: Callable[..., Any], signature: PlanSignature,
-                device: Any) -> Harness:
+                device: Any, shapes_only: bool = False) -> Harness:
         """The harness kept for `candidate`, else `fn`'s timing program on the sets, compiled
         now and kept; a plan without a convolution times its sets in sequence
-        (measure.set_count)."""
-        if candidate not in self._harnesses:
-            self._harnesses[candidate] = Harness.compile(
-                fn, self.sets(signature, device), device, sequential=signature.conv is None)
-        return self._harnesses[candidate]
+        (measure.set_count). With `shapes_only`, and no sets drawn yet, it compiles on their
+        shapes, and the sets are drawn when the harness is next asked for without it."""
+        harness = self._harnesses.get(candidate)
+        if harness is None:
+            if shapes_only and self._sets is None:
+                sets = operand_shapes(signature, device, set_count(signature, device))
+                self._shaped.add(candidate)
+            else:
+                sets = self.sets(signature, device)
+            harness = Harness.compile(fn, sets, device, sequential=signature.conv is None)
+            self._harnesses[candidate] = harness
+        if not shapes_only and candidate in self._shaped:
+            harness.sets = self.sets(signature, device)
+            self._shaped.discard(candidate)
+        return harness
 
 
 def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     """Starts compiling XLA's candidate for `signature` (and loading its kernels) on the find
     step's thread, into `trial`, while the caller compiles the fused kernel: on GPUs, where a
     signature not measured before on this device will be (its decision is then on disk).
-    The programs that draw the input sets and compare the candidates' outputs compile first,
-    without the device (measure.compile_helper_programs).
+    XLA's candidate compiles on the input sets' shapes, while the programs that draw them
+    and compare the candidates' outputs compile beside it, holding nothing
+    (measure.compile_helper_programs); then the sets are drawn and the candidate loaded.
 
     XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
     0.3-0.7 s for ResNet-50's chains and 0.8-1.9 s for MobileNetV2's depthwise ones on an H100
@@ -208,11 +224,18 @@ def _compiles_ahead(device: Any) -> bool:
 
 def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     start = time.perf_counter()
+    # The programs that draw the sets and compare the outputs compile beside XLA's candidate,
+    # holding nothing (0.1-0.46 s a plan for MobileNetV2 at batch 256 on an H100, 2026-12-07,
+    # once part of this step's wall time); XLA's candidate compiles on the sets' shapes.
+    helpers = _helper_worker.submit(compile_helper_programs, signature, device)
     try:
-        # (the host's share first, holding nothing: a measurement may want the device now)
-        compile_helper_programs(signature, device)
+        fn = xla_function(signature)
+        with device_timing():  # (XLA's autotuning runs on the device)
+            trial.harness(XLA, fn, signature, device, shapes_only=True)
+        with contextlib.suppress(Exception):  # (drawing the sets compiles them, or raises)
+            helpers.result()
         with device_timing():
-            trial.harness(XLA, xla_function(signature), signature, device).load()
+            trial.harness(XLA, fn, signature, device).load()
     except Exception as err:  # (the choice compiles it again, and reports what fails)
         logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
                      signature.describe(), err)

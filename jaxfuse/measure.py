@@ -40,8 +40,8 @@ from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing",
-           "compile_helper_programs", "device_timing", "page_faults", "quiet_runs",
-           "random_operands", "relative_error", "set_count"]
+           "compile_helper_programs", "device_timing", "operand_shapes", "page_faults",
+           "quiet_runs", "random_operands", "relative_error", "set_count"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
@@ -195,6 +195,16 @@ def random_operands(signature: PlanSignature, device: Any, sets: int,
     return out
 
 
+def operand_shapes(signature: PlanSignature, device: Any, sets: int
+                   ) -> list[tuple[jax.ShapeDtypeStruct, ...]]:
+    """The shapes, dtypes and placement of what :func:`random_operands` gives: enough to
+    compile a timing program (:meth:`Harness.compile`) before the sets are drawn."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    one = tuple(jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+                for spec, _, _ in _operand_draws(signature, device))
+    return [one] * sets
+
+
 def compile_helper_programs(signature: PlanSignature, device: Any) -> None:
     """Compiles, without running anything, the device programs that :func:`random_operands`
     and :func:`relative_error` will run for `signature` on `device`: the host's share of
@@ -283,11 +293,13 @@ class Harness:
     stopwatch: int | None = None
 
     @classmethod
-    def compile(cls, fn: Callable[..., jax.Array], sets: Sequence[tuple[jax.Array, ...]],
+    def compile(cls, fn: Callable[..., jax.Array], sets: Sequence[tuple[Any, ...]],
                 device: Any, sequential: bool = False) -> Harness:
         """Compiles ``[fn(*s, TIMING_SCALARS) for s in sets]`` as one program (raises if `fn`
-        cannot). `sequential` (CPUs): each set's op starts once the one before has ended, as a
-        network's layers run, not side by side as XLA may schedule independent ops."""
+        cannot). `sets` may be their shapes alone (:func:`operand_shapes`): assign the drawn
+        sets to :attr:`sets` before running it. `sequential` (CPUs): each set's op starts once
+        the one before has ended, as a network's layers run, not side by side as XLA may
+        schedule independent ops."""
         platform = _platform_kind(device)
         stopwatch = _new_stopwatch(device) if platform == "gpu" else None
 

@@ -5,6 +5,7 @@ only for signatures not measured before on the device; the kernel's wait for it 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import types
 
@@ -34,7 +35,11 @@ def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> N
     with recorder.active():
         find._compile_xla_ahead(signature, CPU, trial)
     assert trial.ahead_seconds > 0
-    assert [step for _, step, _ in recorder.steps] == ["helpers", "sets", "compile", "load"]
+    # XLA's candidate compiles on the sets' shapes, the helpers beside it; then the sets are
+    # drawn and the candidate loaded.
+    steps = [step for _, step, _ in recorder.steps]
+    assert sorted(steps) == ["compile", "helpers", "load", "sets"]
+    assert steps.index("compile") < steps.index("sets") < steps.index("load")
     assert {phase for phase, _, _ in recorder.steps} == {"xla_ahead"}
     compiles = []
     original = find.Harness.compile
@@ -52,30 +57,44 @@ def test_the_choice_measures_with_the_candidate_compiled_ahead(monkeypatch) -> N
     assert len(compiles) == 1 and not drawn  # the fused candidate's only; the sets kept
 
 
-def test_the_helper_programs_compile_before_the_device_is_held(monkeypatch) -> None:
-    """Their compiles are host work: a measurement on another thread (the kernel's autotuner)
-    may hold the device meanwhile; XLA's candidate then compiles holding it (it autotunes)."""
-    held = []
+def test_the_helper_programs_compile_beside_xla_s_candidate_holding_nothing(monkeypatch
+                                                                            ) -> None:
+    """Their compiles are host work, on a thread of their own that never holds the device,
+    while XLA's candidate compiles holding it (it autotunes), on the sets' shapes: the sets
+    are drawn after both."""
+    holders = set()  # the threads holding the device
 
     @contextlib.contextmanager
     def device_timing():
-        held.append(True)
+        holders.add(threading.get_ident())
         try:
             yield
         finally:
-            held.pop()
+            holders.discard(threading.get_ident())
 
     monkeypatch.setattr(find, "device_timing", device_timing)
+    both = threading.Barrier(2, timeout=10)  # each waits for the other: they overlap
     helpers = []
-    monkeypatch.setattr(find, "compile_helper_programs", lambda *args: helpers.append(bool(held)))
+
+    def compile_helper_programs(*args):
+        both.wait()
+        helpers.append(threading.get_ident() in holders)
+
+    monkeypatch.setattr(find, "compile_helper_programs", compile_helper_programs)
     compiles = []
     original = find.Harness.compile
-    monkeypatch.setattr(find.Harness, "compile",
-                        lambda *args, **kwargs: compiles.append(bool(held)) or original(*args,
-                                                                                        **kwargs))
+
+    def compile_(fn, sets, *args, **kwargs):
+        both.wait()
+        compiles.append((threading.get_ident() in holders,
+                         isinstance(sets[0][0], jax.ShapeDtypeStruct)))
+        return original(fn, sets, *args, **kwargs)
+
+    monkeypatch.setattr(find.Harness, "compile", compile_)
     trial = find.Trial()
     find._compile_xla_ahead(_signature(), CPU, trial)
-    assert helpers == [False] and compiles == [True] and trial.ahead_seconds > 0
+    assert helpers == [False] and compiles == [(True, True)] and trial.ahead_seconds > 0
+    assert not isinstance(trial._harnesses["xla"].sets[0][0], jax.ShapeDtypeStruct)
 
 
 def test_helper_programs_compiled_ahead_are_not_compiled_again(monkeypatch) -> None:
