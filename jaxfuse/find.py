@@ -508,7 +508,7 @@ def _environment_key(device_kind: str, platform: str) -> str:
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     platform = device.platform.lower()
     environment = _environment_key(device.device_kind, platform)
-    # v9 (GPUs only): large plans timed on fewer sets, enough to cover the L2 cache twice
+    # v9 (GPUs only): large plans timed on fewer sets, enough to cover the L2 cache 1.5 times
     # (measure.set_count).
     # v8 (GPUs only): closeness for the second window judged on the times the choice compares
     # (v7 judged it on the costs, so a device-bound fused kernel against XLA's long launches

@@ -50,13 +50,14 @@ _SET_BUDGET = {"cpu": 4 << 20, "gpu": 256 << 20}
 _MAX_SETS = 8
 # GPUs: no more sets than it takes for them to cover the L2 cache this many times over. The
 # sets only keep a run from finding its operands in L2, left there by its last run; once the
-# other sets' traffic between two runs of one set exceeds the L2, that set is gone from it, and
-# each further set costs the find step the load of one more copy of XLA's candidate (the
-# first run of each convolution of the program builds its cuDNN plan, again in every new
-# executable). H100, 2026-12-07, mb2_dw_7_960 bf16 NHWC at batch 256 (48 MB a set): XLA's
-# load 0.16, 0.28, 0.52 and 0.82 s on 1, 2, 3 and 5 sets, its time a set within 2% from 2 sets
-# to 5 (scripts/sets_probe.py).
-_GPU_CACHE_COVER = 2.0
+# other sets' traffic between two runs of one set exceeds the L2, that set is gone from it
+# (with least-recently-used eviction, sets covering it once are enough), and each further set
+# costs the find step the load of one more copy of XLA's candidate (the first run of each
+# convolution of the program builds its cuDNN plan, again in every new executable). H100,
+# 2026-12-07, mb2_dw_7_960 bf16 NHWC at batch 256, 48 MB a set (scripts/sets_probe.py): XLA's
+# load took 0.16, 0.28, 0.52 and 0.82 s on 1, 2, 3 and 5 sets, and on 2 sets (1.84 times the
+# L2) both candidates timed within 2% of their times on 5 (4.6 times).
+_GPU_CACHE_COVER = 1.5
 # ... but at least two where the budget allows: a program of one set counts the fixed cost of
 # its start once a set, 2-4 us more for XLA's composition than for the fused kernel (H100,
 # 2026-12-07: XLA's mb2_dw_7_960 per set 52.3 us on one set, 50.5 on two, 49.6 on five; the

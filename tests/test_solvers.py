@@ -102,7 +102,7 @@ def test_a_device_bound_fused_kernel_is_compared_on_device_time(device_us, host_
                                               else "xla")
 
 
-def test_gpu_plans_get_as_many_sets_as_cover_the_l2_twice(monkeypatch) -> None:
+def test_gpu_plans_get_as_many_sets_as_cover_the_l2_cache(monkeypatch) -> None:
     """GPUs: sets beyond those that flush the L2 between two runs of one set buy nothing and
     cost the find step a load of XLA's candidate each (measure._GPU_CACHE_COVER)."""
     import types
@@ -110,17 +110,21 @@ def test_gpu_plans_get_as_many_sets_as_cover_the_l2_twice(monkeypatch) -> None:
     from jaxfuse import measure
 
     gpu = types.SimpleNamespace(platform="gpu")
-    big = Case(ops="NA", dtype="bfloat16", layout="NHWC", n=256, c=960, h=7, w=7).build()[0]
-    small = Case(ops="NA", dtype="bfloat16", layout="NHWC", n=1, c=960, h=7, w=7).build()[0]
+
+    def signature(n):
+        return Case(ops="NA", dtype="bfloat16", layout="NHWC", n=n, c=960, h=7,
+                    w=7).build()[0].signature
+
     monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 50 << 20)
-    # 48 MB a set: 3 cover 100 MiB (the 256 MB budget alone gives 5); small sets: all 8.
-    assert measure.set_count(big.signature, gpu) == 3
-    assert measure.set_count(small.signature, gpu) == measure._MAX_SETS
+    # 24 MB a set: 4 cover 1.5 times 50 MiB (the 256 MB budget alone gives 8); 48 MB: 2 (5).
+    assert measure.set_count(signature(128), gpu) == 4
+    assert measure.set_count(signature(256), gpu) == 2
+    assert measure.set_count(signature(1), gpu) == measure._MAX_SETS  # small sets: all 8
     # Never fewer than 2 while 2 fit the budget (128 MB a set): 4 MiB of L2 would give 1.
     monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 4 << 20)
-    assert measure.set_count(big.signature, gpu) == measure._GPU_MIN_SETS
+    assert measure.set_count(signature(256), gpu) == measure._GPU_MIN_SETS
     monkeypatch.setattr(measure, "gpu_l2_bytes", lambda device: 0)  # unknown (ROCm): budget
-    assert measure.set_count(big.signature, gpu) == 5
+    assert measure.set_count(signature(256), gpu) == 5
 
 
 def test_cpu_plans_are_timed_on_several_sets() -> None:
