@@ -18,7 +18,6 @@ jaxfuse and its kernel sources, ``XLA_FLAGS``, the fused kernel's tile and the p
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -182,13 +181,13 @@ class Trial:
         shapes, and the sets are drawn when the harness is next asked for without it."""
         harness = self._harnesses.get(candidate)
         if harness is None:
-            if shapes_only and self._sets is None:
-                sets = operand_shapes(signature, device, set_count(signature, device))
-                self._shaped.add(candidate)
-            else:
-                sets = self.sets(signature, device)
+            shaped = shapes_only and self._sets is None
+            sets = (operand_shapes(signature, device, set_count(signature, device)) if shaped
+                    else self.sets(signature, device))
             harness = Harness.compile(fn, sets, device, sequential=signature.conv is None)
             self._harnesses[candidate] = harness
+            if shaped:
+                self._shaped.add(candidate)
         if not shapes_only and candidate in self._shaped:
             harness.sets = self.sets(signature, device)
             self._shaped.discard(candidate)
@@ -232,21 +231,34 @@ def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> N
         fn = xla_function(signature)
         with device_timing():  # (XLA's autotuning runs on the device)
             trial.harness(XLA, fn, signature, device, shapes_only=True)
-        with contextlib.suppress(Exception):  # (drawing the sets compiles them, or raises)
-            helpers.result()
+        concurrent.futures.wait([helpers])  # (the sets are drawn with what they compile)
         with device_timing():
             trial.harness(XLA, fn, signature, device).load()
     except Exception as err:  # (the choice compiles it again, and reports what fails)
         logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
                      signature.describe(), err)
+    finally:  # (never left running into the choice, which would compile them again)
+        _await_helpers(helpers, signature)
     trial.ahead_seconds = time.perf_counter() - start
+
+
+def _await_helpers(helpers: concurrent.futures.Future, signature: PlanSignature) -> None:
+    """Waits for the helper programs' compiles; a failure is logged (drawing the sets or
+    comparing the outputs then compiles them again, and reports what fails)."""
+    error = helpers.exception()
+    if error is not None:
+        logger.debug("jaxfuse: %s: the helper programs did not compile ahead: %s",
+                     signature.describe(), error)
 
 
 def _measured_key(signature: PlanSignature, device: Any) -> str:
     """The disk cache's record that `signature` was measured on `device` (whatever kernel
     the fused candidate was), which :func:`compile_ahead` reads."""
-    environment = _environment_key(device.device_kind, device.platform.lower())
-    return f"jaxfuse-measured-v1|{environment}|{signature.encode()}"
+    platform = device.platform.lower()
+    environment = _environment_key(device.device_kind, platform)
+    # (with the decisions' version: a record of an older rule's decision says nothing)
+    return (f"jaxfuse-measured-v1|decisions v{_decision_version(platform)}|{environment}|"
+            f"{signature.encode()}")
 
 
 def stats() -> dict[str, int]:
@@ -519,5 +531,10 @@ def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:
     # v5: CPU plans without a convolution timed on 8 sets in sequence (measure.set_count).
     # v4: CPU screening runs that faulted are no evidence (measure.Harness._screening_seconds;
     # v3 cut fast CPU kernels short on them). v3: launch work timed with earlier outputs alive.
-    version = 6 if platform == "cpu" else 9
-    return f"jaxfuse-solver-v{version}|{environment}|{fused.label}|{signature.encode()}"
+    return (f"jaxfuse-solver-v{_decision_version(platform)}|{environment}|{fused.label}|"
+            f"{signature.encode()}")
+
+
+def _decision_version(platform: str) -> int:
+    """The version of the rules a stored decision was measured by (see _disk_key)."""
+    return 6 if platform == "cpu" else 9

@@ -132,11 +132,17 @@ def _platform_kind(device: Any) -> str:
     return "cpu" if device.platform.lower() == "cpu" else "gpu"
 
 
-@functools.cache
+_l2_bytes: dict[tuple[str, int], int] = {}  # by (platform, ordinal): what the driver said
+
+
 def gpu_l2_bytes(device: Any) -> int:
-    """`device`'s L2 cache in bytes, 0 where the driver does not tell (ROCm)."""
+    """`device`'s L2 cache in bytes, 0 where the driver does not tell (ROCm) or fails (asked
+    again next time)."""
     try:
-        return int(extension().gpu_l2_bytes(gpu_platform(device), gpu_ordinal(device)))
+        where = (gpu_platform(device), gpu_ordinal(device))
+        if where not in _l2_bytes:
+            _l2_bytes[where] = int(extension().gpu_l2_bytes(*where))
+        return _l2_bytes[where]
     except Exception:  # (an extension without the binding, a driver that refuses)
         return 0
 

@@ -73,6 +73,8 @@ def test_the_helper_programs_compile_beside_xla_s_candidate_holding_nothing(monk
             holders.discard(threading.get_ident())
 
     monkeypatch.setattr(find, "device_timing", device_timing)
+    for worker in (find._worker, find._helper_worker):  # (nothing of an earlier test left)
+        worker.submit(lambda: None).result()
     both = threading.Barrier(2, timeout=10)  # each waits for the other: they overlap
     helpers = []
 
@@ -93,6 +95,7 @@ def test_the_helper_programs_compile_beside_xla_s_candidate_holding_nothing(monk
     monkeypatch.setattr(find.Harness, "compile", compile_)
     trial = find.Trial()
     find._compile_xla_ahead(_signature(), CPU, trial)
+    assert not both.broken  # (they met: the helpers ran while XLA's candidate compiled)
     assert helpers == [False] and compiles == [(True, True)] and trial.ahead_seconds > 0
     assert not isinstance(trial._harnesses["xla"].sets[0][0], jax.ShapeDtypeStruct)
 
@@ -120,6 +123,30 @@ def test_helper_programs_compiled_ahead_are_not_compiled_again(monkeypatch) -> N
         jax.monitoring.unregister_event_duration_listener(listener)
     assert x.shape == signature.operands[0].shape and x.dtype == signature.dtype
     assert not compiles
+
+
+def test_helpers_that_fail_are_awaited_and_logged(monkeypatch, caplog) -> None:
+    """A failed helper compile is no failure of the step (drawing the sets compiles them
+    again), and it is over before the step is: nothing of it runs into the choice."""
+    def compile_helper_programs(*args):
+        time.sleep(0.2)
+        raise RuntimeError("helpers broke")
+
+    monkeypatch.setattr(find, "compile_helper_programs", compile_helper_programs)
+    monkeypatch.setattr(find, "xla_function", lambda signature: 1 / 0)  # (and XLA's too)
+    trial = find.Trial()
+    with caplog.at_level("DEBUG", logger="jaxfuse"):
+        find._compile_xla_ahead(_signature(), CPU, trial)
+    assert trial.ahead_seconds >= 0.2  # (it waited for them)
+    assert "helpers broke" in caplog.text and "division by zero" in caplog.text
+
+
+def test_a_measured_record_names_the_decisions_version() -> None:
+    """A signature measured under an older rule (decision key) is measured again, so it is
+    compiled ahead again: the record of its measurement carries the rule's version."""
+    gpu = types.SimpleNamespace(platform="gpu", device_kind="H100")
+    assert f"decisions v{find._decision_version('gpu')}|" in find._measured_key(_signature(),
+                                                                               gpu)
 
 
 def test_only_signatures_not_measured_before_on_a_gpu_compile_ahead(monkeypatch) -> None:

@@ -127,6 +127,30 @@ def test_gpu_plans_get_as_many_sets_as_cover_the_l2_cache(monkeypatch) -> None:
     assert measure.set_count(signature(256), gpu) == 5
 
 
+def test_the_l2_size_is_asked_once_a_device_and_a_failure_is_asked_again(monkeypatch) -> None:
+    import types
+
+    from jaxfuse import measure
+
+    answers = iter([RuntimeError("no driver"), 50 << 20])
+    asked = []
+
+    class Extension:
+        def gpu_l2_bytes(self, platform, ordinal):
+            asked.append((platform, ordinal))
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    monkeypatch.setattr(measure, "extension", Extension)
+    monkeypatch.setattr(measure, "_l2_bytes", {})
+    gpu = types.SimpleNamespace(platform="gpu", id=3, local_hardware_id=3, client=None)
+    assert measure.gpu_l2_bytes(gpu) == 0  # (the budget's rule then)
+    assert measure.gpu_l2_bytes(gpu) == 50 << 20 == measure.gpu_l2_bytes(gpu)
+    assert asked == [("CUDA", 3), ("CUDA", 3)]
+
+
 def test_cpu_plans_are_timed_on_several_sets() -> None:
     from jaxfuse import measure
 
