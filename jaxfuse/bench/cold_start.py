@@ -12,9 +12,9 @@ Per plan, the selection's steps are ``python -m jaxfuse.bench.selection``'s.
 
 A "model" may also be one layer of the benchmark suites, ``LAYER/LAYOUT`` (its chain as a user
 writes it in jax, :meth:`~jaxfuse.bench.cases.BenchCase.unfused`, which ``fuse`` finds): a
-program of one distinct signature, whose ``auto - plain`` is what the selection adds to that
-signature's first call beyond plain ``jax.jit`` (which compiles, and autotunes, the same
-convolution).
+program of one distinct signature, whose ``auto - plain`` is what that signature's first call
+waits beyond plain ``jax.jit``: the fused kernel's compile and the choice, less the XLA compile
+(cuDNN's autotuning included) that plain ``jax.jit`` does for the same convolution.
 
     python -m jaxfuse.bench.cold_start --model mobilenetv2-independent --dtype float32 \\
         --batch 256
