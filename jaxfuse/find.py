@@ -203,7 +203,7 @@ def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     (measure.compile_helper_programs); then the sets are drawn and the candidate loaded.
 
     XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
-    0.3-0.7 s for ResNet-50's chains and 0.8-1.9 s for MobileNetV2's depthwise ones on an H100
+    0.3-0.7 s for ResNet-50's chains and 0.9-2.4 s for MobileNetV2's depthwise ones on an H100
     (2026-12-07), most of a cold choice; beside the fused kernel's runtime compiles (seconds
     at that size) it costs the selection only what it outlasts them by. It holds the device
     while it autotunes, as every measurement does; the kernel's autotuner then waits for it,
