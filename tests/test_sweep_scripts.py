@@ -129,7 +129,9 @@ def test_every_queued_item_names_what_exists(queue: Path) -> None:
         item = line.split("@", 1)[-1]
         kind, _, rest = item.partition(":")
         fields = rest.split(":")
-        if kind in ("layers", "selection"):
+        if kind == "layers":  # (suites may be a comma-separated list: one process for all)
+            assert all(suite in SUITES for suite in fields[0].split(",")), line
+        elif kind == "selection":
             assert fields[0] in SUITES, line
         elif kind == "sets":
             assert fields[0] in layers, line
