@@ -109,17 +109,31 @@ class CompiledPlan:
 _lock = threading.Lock()  # guards the dicts and counters below, never held while compiling
 _Key = tuple[str, int, PlanSignature, str]  # platform, device id, signature, solver mode
 _compiled: dict[_Key, CompiledPlan] = {}
-_compiling: dict[_Key, threading.Lock] = {}
+
+@dataclasses.dataclass
+class _Compiling:
+    """The lock that threads compiling one key take turns on, and how many hold or await it:
+    it stays in `_compiling` until the last has left, so that a thread arriving after a failed
+    compile waits for the one retrying it rather than compiling beside it."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    users: int = 0
+
+
+_compiling: dict[_Key, _Compiling] = {}
 _stats = {"compilations": 0, "hits": 0}
 
 
 def default_device() -> Any:
-    """The device `plan.compile()` targets when none is given: jax's default device."""
+    """The device `plan.compile()` targets when none is given: the default backend's first
+    (``jax.devices()[0]``). Not ``jax_default_device``, which may differ from thread to
+    thread: a plan is compiled once (jaxfuse's functions memoize theirs), and its fused
+    call runs on whichever device of the backend its operands are on."""
     return jax.devices()[0]
 
 
 def as_device(device: Any) -> Any:
-    """`device` as a jax device: None is jax's default device, and a platform name ("cpu",
+    """`device` as a jax device: None is :func:`default_device`, and a platform name ("cpu",
     "gpu", "cuda", ...) that platform's first device."""
     if device is None:
         return default_device()
@@ -152,20 +166,23 @@ def compile_signature(signature: PlanSignature, device: Any = None,
         hit = _lookup(key)
         if hit is not None:
             return hit
-        key_lock = _compiling.setdefault(key, threading.Lock())
-    with key_lock:
-        with _lock:
-            hit = _lookup(key)  # compiled by the thread this one waited for
-            if hit is not None:
-                return hit
-        try:
+        entry = _compiling.setdefault(key, _Compiling())
+        entry.users += 1
+    try:
+        with entry.lock:
+            with _lock:
+                hit = _lookup(key)  # compiled by the thread this one waited for
+                if hit is not None:
+                    return hit
             compiled = _compile(signature, platform, device, mode)
-            with _lock:  # published before the per-plan lock goes: no window for a 2nd compile
+            with _lock:  # published before the lock is released: no window for a 2nd compile
                 _compiled[key] = compiled
                 _stats["compilations"] += 1
             return compiled
-        finally:
-            with _lock:
+    finally:
+        with _lock:
+            entry.users -= 1
+            if not entry.users:
                 _compiling.pop(key, None)
 
 
@@ -182,6 +199,16 @@ def _compile(signature: PlanSignature, platform: str, device: Any, mode: str) ->
     if mode == XLA:
         return CompiledPlan(kernel=XLA, **common)
     trial = find.Trial()  # (the candidates' input sets and harnesses, shared)
+    try:
+        return _select(signature, device, mode, trial, common)
+    finally:  # (work queued for it and not yet done is dropped; its sets go with it)
+        trial.close()
+
+
+def _select(signature: PlanSignature, device: Any, mode: str, trial: find.Trial,
+            common: dict[str, Any]) -> CompiledPlan:
+    """The plan in mode "fused" or "auto": the fused kernel, in "auto" measured against XLA's
+    composition with `trial`."""
     if mode == "auto":
         find.compile_ahead(signature, device, trial)
     try:

@@ -11,8 +11,9 @@ always has a solver.
 
 Decisions are memoized in memory by the caller (:mod:`jaxfuse.compiled`) and here on disk, in
 the kernel cache (``$JAXFUSE_CACHE_DIR/kernels``, with its directory checks and per-entry
-verification), keyed by everything that can change the outcome: the device kind, jax, jaxlib,
-jaxfuse and its kernel sources, ``XLA_FLAGS``, the fused kernel's tile and the plan.
+verification), keyed by everything that can change the outcome: the device kind (on CPUs the
+processor and its threads), jax, jaxlib, the jax plugins and NVIDIA/ROCm wheels, jaxfuse and its
+kernel sources, ``XLA_FLAGS`` and ``JAXFUSE_*`` settings, the fused kernel's tile and the plan.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
+import itertools
 import json
 import logging
+import math
 import os
+import pathlib
+import platform as platform_module
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -38,10 +45,12 @@ from .measure import (
     Harness,
     compile_helper_programs,
     device_timing,
+    holds_device_timing,
     operand_shapes,
     random_operands,
     relative_error,
     set_count,
+    sets_bytes,
 )
 from .signature import PlanSignature
 from .solvers import XLA, FusedKernel, fused_function, xla_function
@@ -101,9 +110,41 @@ _stats = {"measured": 0, "disk_hits": 0}
 # One thread runs every measurement: it carries no jax trace (plans compile while a caller's
 # function is being traced, where jax ops would be staged instead of run), and measurements
 # never overlap.
-_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfuse-find")
+_WORKER_NAME = "jaxfuse-find"
+_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=_WORKER_NAME)
 # ... and one compiles, beside it, what drawing the sets and comparing outputs will run.
 _helper_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxfuse-helpers")
+
+
+# The input sets on the device, in bytes, by open trial (Trial.sets). compile_ahead draws a
+# plan's sets ahead of its measurement only while every open trial's together stay within
+# _AHEAD_BYTES (or no other trial holds any): plans compiled together (a network's, by
+# jaxfuse.rewrite) would otherwise each hold theirs, up to _SET_BUDGET's 256 MB a plan, from
+# their XLA candidate's compile to the end of their own compile. A plan refused draws them at
+# its measurement, on the same thread: the find step's work is the same, in another order.
+_AHEAD_BYTES = 512 << 20
+_resident_lock = threading.Lock()
+_resident: dict[int, int] = {}
+_trial_numbers = itertools.count()
+
+
+def _release(number: int) -> None:
+    with _resident_lock:
+        _resident.pop(number, None)
+
+
+def _may_draw_ahead(signature: PlanSignature, device: Any, trial: Trial) -> bool:
+    """Whether compile_ahead may draw `trial`'s sets now (see _AHEAD_BYTES)."""
+    with _resident_lock:
+        if trial.closed:
+            return False
+        others = sum(nbytes for number, nbytes in _resident.items() if number != trial._number)
+    return others == 0 or others + sets_bytes(signature, device) <= _AHEAD_BYTES
+
+
+# What reading a malformed disk record may raise (its checksum only says jaxfuse wrote it).
+_MALFORMED = (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
+              OverflowError, RecursionError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +185,11 @@ class Decision:
             failures = tuple((str(k), str(v)) for k, v in raw["failures"].items())
             device = tuple((str(k), float(v)) for k, v in raw.get("device_us", {}).items())
             host = tuple((str(k), float(v)) for k, v in raw.get("host_us", {}).items())
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        except _MALFORMED:
             return None
-        if solver not in (FUSED, XLA):
+        names = [k for part in (times, failures, device, host) for k, _ in part]
+        if (solver not in (FUSED, XLA) or any(k not in (FUSED, XLA) for k in names)
+                or not all(math.isfinite(v) for part in (times, device, host) for _, v in part)):
             return None
         return cls(solver, times, failures, origin="disk cache", device_us=device, host_us=host)
 
@@ -158,7 +201,8 @@ class Trial:
 
     Timing the forms and then the fastest form against XLA's composition would otherwise draw
     the sets and compile that form's timing program twice. A trial lives as long as one plan's
-    compile (:func:`jaxfuse.compiled.compile_signature`), so the sets' memory goes with it.
+    compile (:func:`jaxfuse.compiled.compile_signature`), which closes it (:meth:`close`) when
+    it ends: work queued for it and not yet done is dropped, so the sets' memory goes with it.
     """
 
     def __init__(self) -> None:
@@ -166,11 +210,27 @@ class Trial:
         self._harnesses: dict[str, Harness] = {}  # by candidate: XLA or a form's label
         self._shaped: set[str] = set()  # candidates compiled on the sets' shapes, not yet run
         self.ahead_seconds: float | None = None  # what compile_ahead took, once it ran
+        self._ahead: concurrent.futures.Future | None = None  # compile_ahead's task
+        self._number = next(_trial_numbers)  # (its key among the trials holding sets)
+        self.closed = False
+
+    def close(self) -> None:
+        """Ends the trial: compile_ahead's task is cancelled if it has not started, and stops
+        at its next step if it has (it holds the trial until then)."""
+        with _resident_lock:
+            self.closed = True
+            _resident.pop(self._number, None)
+        if self._ahead is not None:
+            self._ahead.cancel()
 
     def sets(self, signature: PlanSignature, device: Any) -> list[tuple[Any, ...]]:
         """The input sets for `signature` on `device` (raises as random_operands does)."""
         if self._sets is None:
             self._sets = random_operands(signature, device, set_count(signature, device))
+            with _resident_lock:
+                if not self.closed:
+                    _resident[self._number] = sets_bytes(signature, device)
+                    weakref.finalize(self, _release, self._number)
         return self._sets
 
     def harness(self, candidate: str, fn: Callable[..., Any], signature: PlanSignature,
@@ -200,7 +260,8 @@ def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
     signature not measured before on this device will be (its decision is then on disk).
     XLA's candidate compiles on the input sets' shapes, while the programs that draw them
     and compare the candidates' outputs compile beside it, holding nothing
-    (measure.compile_helper_programs); then the sets are drawn and the candidate loaded.
+    (measure.compile_helper_programs); then the sets are drawn and the candidate loaded,
+    where the sets of the plans being compiled fit _AHEAD_BYTES (else its measurement does it).
 
     XLA's compile of a convolution at batch 256 autotunes cuDNN's algorithms on the device:
     0.3-0.7 s for ResNet-50's chains and 0.9-2.4 s for MobileNetV2's depthwise ones on an H100
@@ -212,7 +273,7 @@ def compile_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
         return
     if extension().cache_load(_measured_key(signature, device)) is not None:
         return
-    _worker.submit(_compile_xla_ahead, signature, device, trial)
+    trial._ahead = _worker.submit(_compile_xla_ahead, signature, device, trial)
 
 
 def _compiles_ahead(device: Any) -> bool:
@@ -222,6 +283,8 @@ def _compiles_ahead(device: Any) -> bool:
 
 
 def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> None:
+    if trial.closed:  # (its plan's compile ended before this task started)
+        return
     start = time.perf_counter()
     # The programs that draw the sets and compare the outputs compile beside XLA's candidate,
     # holding nothing (0.1-0.46 s a plan for MobileNetV2 at batch 256 on an H100, 2026-12-07,
@@ -232,8 +295,9 @@ def _compile_xla_ahead(signature: PlanSignature, device: Any, trial: Trial) -> N
         with device_timing():  # (XLA's autotuning runs on the device)
             trial.harness(XLA, fn, signature, device, shapes_only=True)
         concurrent.futures.wait([helpers])  # (the sets are drawn with what they compile)
-        with device_timing():
-            trial.harness(XLA, fn, signature, device).load()
+        if _may_draw_ahead(signature, device, trial):
+            with device_timing():
+                trial.harness(XLA, fn, signature, device).load()
     except Exception as err:  # (the choice compiles it again, and reports what fails)
         logger.debug("jaxfuse: %s: XLA's candidate not compiled ahead: %s",
                      signature.describe(), err)
@@ -286,7 +350,7 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
             _stats["disk_hits"] += 1
         _mark_measured(signature, device)
         return decision
-    decision = _worker.submit(_measure, signature, device, fused, trial).result()
+    decision = _on_find_thread(_measure, signature, device, fused, trial)
     with _lock:
         _stats["measured"] += 1
     if len(decision.times_us) == 2:  # a failure may be passing (memory): measure it again
@@ -295,6 +359,17 @@ def choose(signature: PlanSignature, device: Any, fused: FusedKernel,
     logger.debug("jaxfuse: %s on %s -> %s (%s)", signature.describe(), device.device_kind,
                  decision.solver, decision)
     return decision
+
+
+def _on_find_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` run on the find step's thread, which takes the device-timing lock: from a
+    thread holding that lock, or from the find step's own, it would wait forever."""
+    if holds_device_timing() or threading.current_thread().name.startswith(_WORKER_NAME):
+        raise RuntimeError(
+            "jaxfuse: a plan in solver mode 'auto' is measured on the find step's thread, "
+            "which this thread blocks (it holds the device-timing lock, or is that thread): "
+            "compile the plan before taking the lock (jaxfuse.measure.device_timing)")
+    return _worker.submit(fn, *args).result()
 
 
 def _mark_measured(signature: PlanSignature, device: Any) -> None:
@@ -345,11 +420,11 @@ def _measure(signature: PlanSignature, device: Any, kernel: FusedKernel,
                 logger.debug("jaxfuse: %s candidate %s failed: %s", signature.describe(), name,
                              err)
         if FUSED in outputs and XLA in outputs:
-            error = relative_error(outputs[FUSED], outputs[XLA])
-            if not error <= _TOLERANCE[signature.dtype.name]:
-                failures[FUSED] = f"disagrees with XLA (relative error {error:.2e})"
-                logger.warning("jaxfuse: the fused kernel for %s disagrees with XLA (relative "
-                               "error %.2e); XLA runs it", signature.describe(), error)
+            wrong = _disagreement(outputs[FUSED], outputs[XLA], signature, "XLA")
+            if wrong is not None:
+                failures[FUSED] = wrong
+                logger.warning("jaxfuse: the fused kernel for %s %s; XLA runs it",
+                               signature.describe(), wrong)
                 times.pop(FUSED, None)
         if len(harnesses) == 2 and FUSED not in failures:
             _more_windows(harnesses, times, device_us, host_us, signature,
@@ -416,9 +491,9 @@ def fastest_form(signature: PlanSignature, device: Any, kernels: list[FusedKerne
     if stored is not None:
         try:
             return kernels[labels.index(json.loads(stored.decode())["fastest"])]
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        except _MALFORMED:
             pass  # malformed: measure again
-    times = _worker.submit(_time_forms, signature, device, kernels, trial).result()
+    times = _on_find_thread(_time_forms, signature, device, kernels, trial)
     logger.debug("jaxfuse: %s forms on %s: %s", signature.describe(), device.device_kind, times)
     if not times:
         return kernels[0]
@@ -452,12 +527,27 @@ def _time_forms(signature: PlanSignature, device: Any, kernels: list[FusedKernel
                 continue
             if reference is None:
                 reference = outputs
-            elif not relative_error(outputs, reference) <= _TOLERANCE[signature.dtype.name]:
-                logger.warning("jaxfuse: the %s form of %s disagrees with the plan's own; it is "
-                               "not used", kernel.label, signature.describe())
+            elif (wrong := _disagreement(outputs, reference, signature, "the plan's own form")
+                  ) is not None:
+                logger.warning("jaxfuse: the %s form of %s %s; it is not used", kernel.label,
+                               signature.describe(), wrong)
                 continue
             times[kernel.label] = timing.cost * 1e6
     return times
+
+
+def _disagreement(output: Any, reference: Any, signature: PlanSignature, whose: str
+                  ) -> str | None:
+    """Why `output` cannot stand in for `reference` (`whose` result), or None where the two
+    agree within the dtype's tolerance. A comparison that fails (out of device memory, say)
+    leaves `output` unchecked, which is no candidate either."""
+    try:
+        error = relative_error(output, reference)
+    except Exception as err:
+        return f"not compared with {whose}: {_first_line(err)}"
+    if error <= _TOLERANCE[signature.dtype.name]:
+        return None
+    return f"disagrees with {whose} (relative error {error:.2e})"
 
 
 def give_up_limit(xla_seconds: float) -> float:
@@ -504,17 +594,58 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
-@functools.cache
 def _environment_key(device_kind: str, platform: str) -> str:
+    """What, beside the plan, can change a measurement's outcome: the device, the software
+    measuring (jax, jaxlib, the plugins and libraries XLA's kernels come from, jaxfuse and
+    its kernel sources), ``XLA_FLAGS`` and jaxfuse's own settings (``JAXFUSE_*``, which pick
+    kernels, instruction sets and launches); on CPUs the processor and its threads."""
+    settings = sorted((name, value) for name, value in os.environ.items()
+                      if name.startswith("JAXFUSE_") and name not in _UNKEYED_SETTINGS)
+    digest = hashlib.sha256(json.dumps([os.environ.get("XLA_FLAGS", ""), settings]).encode())
+    return f"{_software_key(device_kind, platform)}|settings {digest.hexdigest()[:12]}"
+
+
+# Settings that change no measurement: where the cache lives, and which solver is forced.
+_UNKEYED_SETTINGS = frozenset({"JAXFUSE_CACHE_DIR", "JAXFUSE_SOLVER"})
+
+
+@functools.cache
+def _software_key(device_kind: str, platform: str) -> str:
     ext = extension()
     sources = hashlib.sha256(
         json.dumps(sorted(ext.kernel_sources().items())).encode()).hexdigest()[:16]
-    flags = hashlib.sha256(os.environ.get("XLA_FLAGS", "").encode()).hexdigest()[:12]
-    host = f"{os.cpu_count()} cpus, {ext.cpu_threads()} threads" if platform == "cpu" else ""
+    host = (f"{_processor()}, {os.cpu_count()} cpus, {ext.cpu_threads()} threads"
+            if platform == "cpu" else f"libraries {_libraries()}")
     from . import __version__
 
-    return (f"{platform}|{device_kind}{host and ' ' + host}|jax {jax.__version__}|jaxlib "
-            f"{jaxlib.__version__}|jaxfuse {__version__} kernels {sources}|xla_flags {flags}")
+    return (f"{platform}|{device_kind} {host}|jax {jax.__version__}|jaxlib "
+            f"{jaxlib.__version__}|jaxfuse {__version__} kernels {sources}")
+
+
+def _processor() -> str:
+    """The CPU's model and a digest of its feature flags (which instruction sets the CPU
+    kernels and XLA's use), where the system tells them."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return platform_module.processor() or platform_module.machine()
+    fields = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:8]
+    return f"{fields.get('model name', platform_module.machine())} flags {flags}"
+
+
+def _libraries() -> str:
+    """A digest of the installed jax plugins and the NVIDIA and ROCm wheels they load (cuDNN's
+    among them), whose versions change XLA's kernels without jaxlib's changing."""
+    found = []
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+        if name.startswith(("jax-cuda", "jax-rocm", "nvidia-", "rocm-")):
+            found.append(f"{name} {dist.version}")
+    return hashlib.sha256("|".join(sorted(found)).encode()).hexdigest()[:12]
 
 
 def _disk_key(signature: PlanSignature, device: Any, fused: FusedKernel) -> str:

@@ -25,6 +25,7 @@ import functools
 import math
 import statistics
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -40,8 +41,9 @@ from .runtime import gpu_ordinal, gpu_platform
 from .signature import SCALARS, PlanSignature
 
 __all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing",
-           "compile_helper_programs", "device_timing", "operand_shapes", "page_faults",
-           "quiet_runs", "random_operands", "relative_error", "set_count"]
+           "compile_helper_programs", "device_timing", "holds_device_timing", "operand_shapes",
+           "page_faults",
+           "quiet_runs", "random_operands", "relative_error", "set_count", "sets_bytes"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
@@ -117,15 +119,29 @@ _SCALARS = {"conv_alpha": 1.0, "bn_epsilon": 1e-3, "act_alpha": 0.1, "act_beta":
 TIMING_SCALARS = np.asarray([_SCALARS.get(name, 0.0) for name in SCALARS], np.float32)
 
 
+_holder = threading.local()  # .holds: whether this thread holds the device-timing lock
+
+
 @contextlib.contextmanager
 def device_timing() -> Iterator[None]:
-    """Holds the process's device-timing lock (one measurement at a time)."""
+    """Holds the process's device-timing lock (one measurement at a time). It is not
+    re-entrant: a thread that asks for it again raises rather than waiting for itself."""
+    if holds_device_timing():
+        raise RuntimeError("jaxfuse: this thread already holds the device-timing lock "
+                           "(jaxfuse.measure.device_timing), which is not re-entrant")
     ext = extension()
     ext.timing_acquire()
+    _holder.holds = True
     try:
         yield
     finally:
+        _holder.holds = False
         ext.timing_release()
+
+
+def holds_device_timing() -> bool:
+    """Whether this thread holds the device-timing lock (:func:`device_timing`)."""
+    return getattr(_holder, "holds", False)
 
 
 def _platform_kind(device: Any) -> str:
@@ -176,6 +192,13 @@ def set_count(signature: PlanSignature, device: Any) -> int:
         bound = _CPU_POINTWISE_BYTES if signature.conv is None else _CPU_CONV_BYTES
         count = max(count, min(_CPU_SETS, bound // max(nbytes, 1)))
     return count
+
+
+def sets_bytes(signature: PlanSignature, device: Any) -> int:
+    """The device memory :func:`random_operands` takes for :func:`set_count` sets."""
+    one = sum(math.prod(spec.shape) * spec.dtype.itemsize
+              for spec in signature.operands[:-1])  # (the scalars come last)
+    return set_count(signature, device) * one
 
 
 def random_operands(signature: PlanSignature, device: Any, sets: int,

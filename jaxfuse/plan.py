@@ -130,7 +130,8 @@ class FusionPlan:
 
     def compile(self, device: Any = None, *, solver: str | None = None) -> FusionPlan:
         """Validates the plan and compiles it for `device`: a ``jax.Device``, a platform name
-        (``"cpu"``, ``"gpu"``: that platform's first device) or None (jax's default device).
+        (``"cpu"``, ``"gpu"``: that platform's first device) or None (the default backend's
+        first).
 
         `solver` chooses what runs the plan: ``"auto"`` times jaxfuse's fused kernel and XLA's
         unfused composition on the device and keeps the faster (a candidate that fails is

@@ -199,3 +199,71 @@ def test_a_plan_compiled_with_its_candidate_ahead_reports_both(monkeypatch) -> N
     steps = dict(plan.seconds)
     assert set(steps) == {"kernel", "choice", "xla_ahead"} and steps["xla_ahead"] > 0
     assert set(dict(plan.times_us)) == {"xla", "fused"} and plan.decided == "measured"
+
+
+def test_a_plan_whose_compile_ends_first_drops_its_candidate_compiled_ahead(monkeypatch
+                                                                            ) -> None:
+    """A plan that falls back to XLA (its kernel cannot be built) returns before the find
+    step's thread reaches its task: the task is dropped, and no sets are drawn for it."""
+    monkeypatch.setattr(find, "_compiles_ahead", lambda device: True)
+
+    def refuse(signature, device):
+        raise compiled.FusionError("no kernel for this plan here")
+
+    monkeypatch.setattr(compiled, "prepare_forms", refuse)
+    drawn = []
+    monkeypatch.setattr(find, "random_operands", lambda *args: drawn.append(args))
+    started = threading.Event()
+    find._worker.submit(started.wait, 10)  # (the thread busy, as with other plans' work)
+    try:
+        plan = compiled.compile_signature(_signature(), CPU, "auto")
+    finally:
+        started.set()
+    find._worker.submit(lambda: None).result()
+    assert plan.decided == "fallback" and not drawn
+
+
+def test_a_closed_trial_s_task_stops_before_drawing_the_sets(monkeypatch) -> None:
+    drawn = []
+    monkeypatch.setattr(find, "random_operands", lambda *args: drawn.append(args))
+    trial = find.Trial()
+    original = find.Harness.compile
+
+    def compile_(*args, **kwargs):
+        trial.close()  # (its plan's compile ends while XLA's candidate compiles)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(find.Harness, "compile", compile_)
+    find._compile_xla_ahead(_signature(), CPU, trial)
+    assert not drawn and "xla" in trial._harnesses  # (compiled on the shapes alone)
+    find._compile_xla_ahead(_signature(), CPU, trial)  # (closed before it starts: nothing)
+
+
+def test_sets_are_drawn_ahead_only_within_the_budget_of_open_trials(monkeypatch) -> None:
+    """Plans compiled together each draw their sets ahead only while all open trials' sets
+    fit _AHEAD_BYTES; one refused draws them at its measurement, which still measures."""
+    signature = _signature()
+    nbytes = measure.sets_bytes(signature, CPU)
+    monkeypatch.setattr(find, "_AHEAD_BYTES", nbytes)
+    holder = find.Trial()
+    holder.sets(signature, CPU)  # (another plan's trial, holding its sets)
+    assert find._resident[holder._number] == nbytes
+    trial = find.Trial()
+    find._compile_xla_ahead(signature, CPU, trial)
+    assert trial._sets is None and "xla" in trial._shaped  # (compiled, not loaded)
+    kernel = solvers.prepare_fused(signature, CPU)
+    decision = find._measure(signature, CPU, kernel, trial)
+    assert set(dict(decision.times_us)) == {"xla", "fused"} and not decision.failures
+    holder.close()
+    assert holder._number not in find._resident
+    alone = find.Trial()  # (no other trial holds sets: drawn ahead, whatever their size)
+    monkeypatch.setattr(find, "_AHEAD_BYTES", 0)
+    trial.close()
+    find._compile_xla_ahead(signature, CPU, alone)
+    assert alone._sets is not None
+    number = alone._number
+    del alone
+    import gc
+
+    gc.collect()
+    assert number not in find._resident  # (a trial never closed is released when it goes)

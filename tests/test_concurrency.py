@@ -124,6 +124,22 @@ def test_a_failed_compile_is_not_memoized(slow_compiler) -> None:
     assert compiled.compile_signature(sig, device).kernel == "fake"
 
 
+def test_a_thread_arriving_after_a_failed_compile_waits_for_the_retry(slow_compiler) -> None:
+    """A fails; B, which waited for A, retries; C, arriving while B retries, waits for B's
+    compile rather than compiling beside it."""
+    sig = _signature(1011)
+    device = jax.devices("cpu")[0]
+    slow_compiler["fail"].add(sig)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        first = [pool.submit(_try, sig, device) for _ in range(2)]
+        time.sleep(0.3)  # (A has failed; B compiles)
+        late = pool.submit(_try, sig, device)
+        outcomes = [f.result() for f in first] + [late.result()]
+    assert sorted(outcomes) == ["failed", "ok", "ok"]
+    assert slow_compiler["calls"] == [sig, sig] and slow_compiler["most"] == 1
+    assert not compiled._compiling  # (every entry gone with its last user)
+
+
 def _try(sig: jf.PlanSignature, device: Any) -> str:
     try:
         compiled.compile_signature(sig, device)

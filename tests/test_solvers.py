@@ -363,6 +363,21 @@ def test_a_kernel_that_disagrees_with_xla_is_dropped(monkeypatch) -> None:
     assert "fused" not in plan.kernel_info.get("candidates_device_us", {})
 
 
+def test_a_comparison_that_fails_leaves_the_kernel_unchecked_and_xla_runs(monkeypatch
+                                                                          ) -> None:
+    """Comparing the outputs runs a program on the device too (out of memory, say): the fused
+    kernel is then dropped, never the plan's compile."""
+    def failing(a, b):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while comparing")
+
+    monkeypatch.setattr(find, "relative_error", failing)
+    plan, _ = SMALL.build()
+    plan.compile(solver="auto")
+    assert plan.solver == "xla"
+    assert plan.kernel_info["failed"]["fused"] == (
+        "not compared with XLA: RuntimeError: RESOURCE_EXHAUSTED: out of memory while comparing")
+
+
 def test_a_far_slower_kernel_is_not_timed_further(monkeypatch) -> None:
     real = find.fused_function
 
@@ -578,8 +593,36 @@ def test_decisions_are_read_back_safely() -> None:
     for bad in (b"", b"{", b"[]", b'{"solver": "rm -rf"}',
                 json.dumps({"solver": "fused", "times_us": [], "failures": {}}).encode(),
                 b"\xff\xfe", json.dumps({"solver": "xla", "times_us": {"a": "x"},
-                                         "failures": {}}).encode()):
-        assert find.Decision.from_json(bad) is None, bad
+                                         "failures": {}}).encode(),
+                b'{"solver": "xla", "times_us": {"xla": 1' + b"0" * 400 + b'}, "failures": {}}',
+                b"[" * 100_000 + b"]" * 100_000,
+                b'{"solver": "xla", "times_us": {"xla": NaN, "fused": 1.0}, "failures": {}}',
+                b'{"solver": "xla", "times_us": {"a": 1.0}, "failures": {}}'):
+        assert find.Decision.from_json(bad) is None, bad[:80]
+
+
+def test_a_malformed_forms_record_is_measured_again() -> None:
+    device = jax.devices("cpu")[0]
+    signature = SMALL.build()[0].signature
+    kernels = [solvers.prepare_fused(signature, device)]
+    labels = [kernel.label for kernel in kernels]
+    key = (f"jaxfuse-form-v2|{find._environment_key(device.device_kind, 'cpu')}|"
+           f"{'|'.join(labels)}|{signature.encode()}")
+    jf._extension.extension().cache_store(key, b"[" * 100_000 + b"]" * 100_000)
+    assert find.fastest_form(signature, device, kernels) is kernels[0]
+
+
+def test_an_auto_plan_compiled_under_the_device_timing_lock_raises_not_hangs() -> None:
+    """Its measurement runs on the find step's thread, which waits for that lock: a thread
+    holding it would wait for its own result forever."""
+    plan, _ = SMALL.build()
+    with find.device_timing():
+        with pytest.raises(RuntimeError, match="holds the device-timing lock"):
+            plan.compile(solver="auto")
+        with pytest.raises(RuntimeError, match="not re-entrant"), find.device_timing():
+            pass
+    plan.compile(solver="auto")  # (the lock released, it measures)
+    assert plan.kernel_info["decided"] == "measured"
 
 
 _CHILD = textwrap.dedent("""
@@ -615,6 +658,26 @@ def test_decisions_persist_on_disk_per_environment(tmp_path) -> None:
     assert other["info"]["decided"] == "measured"
     memory_only = _child("")
     assert memory_only["info"]["decided"] == "measured"
+
+
+def test_jaxfuse_s_settings_and_the_processor_key_a_decision(monkeypatch) -> None:
+    """JAXFUSE_CPU_ISA picks the CPU kernels' instruction set, JAXFUSE_PDL the GPU's launches:
+    a decision measured under one is measured again under another. Where the cache lives and
+    which solver is forced change no measurement."""
+    for name in [name for name in os.environ if name.startswith("JAXFUSE_")]:
+        monkeypatch.delenv(name)
+    base = find._environment_key("cpu", "cpu")
+    assert "flags" in base and "cpus" in base  # (the processor's model and features)
+    monkeypatch.setenv("JAXFUSE_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("JAXFUSE_SOLVER", "fused")
+    assert find._environment_key("cpu", "cpu") == base
+    keys = {base}
+    for name, value in (("JAXFUSE_CPU_ISA", "portable"), ("JAXFUSE_PDL", "0"),
+                        ("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")):
+        monkeypatch.setenv(name, value)
+        keys.add(find._environment_key("cpu", "cpu"))
+    assert len(keys) == 4
+    assert "libraries" in find._environment_key("H100", "cuda")  # (plugins, cuDNN's wheel)
 
 
 def test_the_solver_mode_is_part_of_the_memo() -> None:

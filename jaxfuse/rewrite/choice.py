@@ -17,11 +17,13 @@ the chain that shortens the longer sum most. Work outside the chains is the same
 and is left out of the sums.
 
 Finally the choice must shorten the program's estimated time (the longer sum) by
-:data:`PROGRAM_MIN_GAIN` against leaving every chain to XLA, or every chain is left to XLA: a
-fused call has costs in a program that no chain timed alone shows (on the H100, 2026-11-24,
-two ResNet-50 1x1 chains fused at batch 64 measured 10% faster alone and ran 25 us slower in
-the network, where XLA computed them as cuBLAS matrix products), so a choice that saves 1-2%
-on paper is as likely to lose.
+:data:`PROGRAM_MIN_GAIN` against leaving every measured chain to XLA, or every measured chain
+is left to XLA: a fused call has costs in a program that no chain timed alone shows (on the
+H100, 2026-11-24, two ResNet-50 1x1 chains fused at batch 64 measured 10% faster alone and ran
+25 us slower in the network, where XLA computed them as cuBLAS matrix products), so a choice
+that saves 1-2% on paper is as likely to lose. One exception: where the launch-share moves
+(which the sums undercount, see above) are what falls short, the choice stands as long as the
+device-time choice before them makes the gain and it is not estimated longer than all-XLA.
 
 The margin is wider than a lone plan's (:data:`jaxfuse.find.MARGIN`) because in a program
 XLA's composition also fuses with its neighbours, which a chain timed alone cannot show: on
