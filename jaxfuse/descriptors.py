@@ -7,8 +7,10 @@ import operator
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
     "DATA_LAYOUTS",
@@ -137,8 +139,9 @@ class ConvDesc:
       groups: ``feature_group_count``; ``groups == C == K`` is a depthwise convolution.
       precision: ``None`` lets fp32 convolutions use TF32 on GPUs, as lax's default precision
         does; ``"highest"`` asks for exact fp32. Any lax precision is accepted (a
-        ``lax.Precision`` or its name, or an ``(lhs, rhs)`` pair of them, which follows its
-        stricter member) and kept as one of these two.
+        ``lax.Precision`` or its name, a ``lax.DotAlgorithmPreset``, or an ``(lhs, rhs)``
+        pair, which follows its stricter member) and kept as one of these two. (jaxfuse's
+        functions and Flax layers read ``jax_default_matmul_precision`` for None, as lax does.)
     """
 
     strides: tuple[int, int]
@@ -190,6 +193,16 @@ class ConvDesc:
 # jaxfuse has one exact fp32 mode, so HIGH gets it too, as in jaxfuse.fuse.
 _PRECISION_LEVELS = {"default": 0, "fastest": 0, "bfloat16": 0, "high": 1, "bfloat16_3x": 1,
                      "tensorfloat32": 1, "highest": 2, "float32": 2}
+# ... and lax.DotAlgorithmPreset's (jax_default_matmul_precision may name one): lax lowers a
+# convolution given one at DEFAULT precision (jax._src.lax.lax._full_precision), TF32 and all.
+_PRECISION_LEVELS.update({preset.name.lower(): 0 for preset in lax.DotAlgorithmPreset})
+
+
+def lax_precision(precision: Any) -> Any:
+    """The precision `lax.conv_general_dilated` would use for `precision`: None is the
+    caller's ``jax_default_matmul_precision`` (``jax.default_matmul_precision(...)``, read in
+    this thread, as lax reads it when a function is traced)."""
+    return jax.config.jax_default_matmul_precision if precision is None else precision
 
 
 def _canonical_precision(precision: Any) -> str | None:
@@ -199,13 +212,13 @@ def _canonical_precision(precision: Any) -> str | None:
         return None
     pair = isinstance(precision, (tuple, list))
     values = tuple(precision) if pair else (precision,)
-    names = [str(v).lower().removeprefix("precision.") for v in values]
+    names = [str(getattr(v, "name", v)).lower().removeprefix("precision.") for v in values]
     if (pair and len(values) != 2) or any(v is None or isinstance(v, (tuple, list))
                                           for v in values) or \
             not all(name in _PRECISION_LEVELS for name in names):
         raise ValueError(
             f"precision {precision!r} is not a lax precision: expected None, a lax.Precision "
-            f"or its name ({', '.join(_PRECISION_LEVELS)}), or an (lhs, rhs) pair of them")
+            "or its name, a lax.DotAlgorithmPreset, or an (lhs, rhs) pair of them")
     return "highest" if max(_PRECISION_LEVELS[name] for name in names) > 0 else None
 
 

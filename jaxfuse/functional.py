@@ -18,7 +18,7 @@ from jax import lax
 
 from .activations import ActivationMode
 from .args import OperatorArgs
-from .descriptors import ConvDesc, Padding, TensorDesc, canonical_dtype
+from .descriptors import ConvDesc, Padding, TensorDesc, canonical_dtype, lax_precision
 from .plan import FusionPlan
 
 __all__ = [
@@ -138,8 +138,9 @@ def _conv_call(x: Any, w: Any, window_strides: Any, padding: Padding, lhs_dilati
         raise ValueError(f"padding {padding!r} is not supported; expected 'SAME', 'SAME_LOWER', "
                          "'VALID' or (low, high) pairs")
     lower = isinstance(padding, str) and padding.upper() == "SAME_LOWER"
+    # (None: the caller's jax_default_matmul_precision, as lax reads it)
     conv = ConvDesc(strides, "VALID" if lower else _static_padding(padding), dilation,
-                    feature_group_count, precision)
+                    feature_group_count, lax_precision(precision))
     if lower:  # resolved here, as lax does, from the input and filter sizes
         windows = [(np.shape(w)[filter_layout.index(a)] - 1) * d + 1
                    for a, d in zip("HW", conv.dilation)]

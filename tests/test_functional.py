@@ -156,6 +156,8 @@ def _fused_signatures(closed_jaxpr: Any) -> list:
     ((P.DEFAULT, P.HIGHEST), False), ((P.HIGHEST, P.DEFAULT), False), ((P.HIGH, P.DEFAULT),
                                                                        False),
     (("tensorfloat32", "bfloat16"), False), ("float32", False),
+    # (lax lowers a convolution's dot algorithm at DEFAULT precision)
+    (lax.DotAlgorithmPreset.F32_F32_F32, True),
 ])
 def test_precision_decides_tf32_as_in_fuse(precision: Any, allow_tf32: bool) -> None:
     # A pair follows its stricter member; jaxfuse.fuse reads the same lax call the same way.
@@ -164,6 +166,26 @@ def test_precision_decides_tf32_as_in_fuse(precision: Any, allow_tf32: bool) -> 
         x, w, padding="SAME", precision=precision))(x, w)
     rewritten = jf.fusion_report(lambda x, w: jax.nn.relu(lax.conv_general_dilated(
         x, w, (1, 1), "SAME", precision=precision)), x, w).jaxpr
+    for jaxpr in (functional, rewritten):
+        (signature,) = _fused_signatures(jaxpr)
+        assert signature.conv.allow_tf32 is allow_tf32
+
+
+@pytest.mark.parametrize("default,allow_tf32", [
+    ("highest", False), ("float32", False), ("tensorfloat32", False), ("bfloat16", True),
+    ("default", True), ("F32_F32_F32", True), ("BF16_BF16_F32", True),
+])
+def test_an_unset_precision_follows_jax_default_matmul_precision(default: str,
+                                                                 allow_tf32: bool) -> None:
+    """As lax does: under ``jax.default_matmul_precision("highest")`` an fp32 convolution
+    given no precision is exact, fused or not; a dot algorithm's name leaves it at DEFAULT
+    (lax lowers a convolution's so)."""
+    x, w, *_ = _operands("float32", None, 6, 1)
+    with jax.default_matmul_precision(default):
+        functional = jax.make_jaxpr(lambda x, w: jf.conv_bias_activation(
+            x, w, padding="SAME"))(x, w)
+        rewritten = jf.fusion_report(lambda x, w: jax.nn.relu(lax.conv_general_dilated(
+            x, w, (1, 1), "SAME")), x, w).jaxpr
     for jaxpr in (functional, rewritten):
         (signature,) = _fused_signatures(jaxpr)
         assert signature.conv.allow_tf32 is allow_tf32
@@ -194,14 +216,12 @@ X2, W2 = (2, 4, 9, 8), (6, 4, 3, 3)
     (X2, W2, {"padding": "CAUSAL"}, ValueError, "padding 'CAUSAL' is not supported"),
     (X2, W2, {"window_strides": 2}, TypeError, "window_strides must be a sequence of 2 ints"),
     (X2, W2, {"rhs_dilation": (1, 1, 1)}, TypeError, "rhs_dilation must be a sequence of 2"),
-    (X2, W2, {"precision": lax.DotAlgorithmPreset.F32_F32_F32}, ValueError,
-     "is not a lax precision"),
     (X2, W2, {"precision": (P.HIGH,)}, ValueError, "is not a lax precision"),
     (X2, W2, {"activation": jax.nn.relu}, TypeError,
      "activation must be an activation mode name or a jaxfuse.ActivationMode, got <"),
 ], ids=["1-D", "1-D, default layouts", "3-D", "3-D layouts", "lhs_dilation",
         "batch_group_count", "preferred float16", "preferred int32", "preferred nonsense",
-        "out_sharding", "CAUSAL", "int strides", "3 dilations", "dot algorithm",
+        "out_sharding", "CAUSAL", "int strides", "3 dilations",
         "1 precision in a tuple", "a jax function as the activation"])
 def test_what_does_not_fuse_is_refused_by_name(x_shape, w_shape, kwargs, exc, match) -> None:
     x, w = jnp.ones(x_shape), jnp.ones(w_shape)

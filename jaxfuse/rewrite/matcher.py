@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from jax import lax
 
 from ..descriptors import SUPPORTED_DTYPES, ConvDesc, TensorDesc
 from ..errors import FusionError
@@ -163,10 +162,13 @@ def _widens_exactly(src: np.dtype, dst: np.dtype) -> bool:
     return src == dst or (dst == np.float32 and src in SUPPORTED_DTYPES)
 
 
-def _precision(precision: Any) -> str | None:
-    values = precision if isinstance(precision, tuple) else (precision,)
-    high = (lax.Precision.HIGH, lax.Precision.HIGHEST)
-    return "highest" if any(v in high for v in values if v is not None) else None
+def _precision(precision: Any) -> Any:
+    """The equation's precision for ConvDesc: as traced, so the caller's
+    ``jax_default_matmul_precision`` is already in it (a pair of lax.Precision, or a
+    lax.DotAlgorithmPreset); a member left None is the default."""
+    if isinstance(precision, tuple):
+        return tuple("default" if v is None else v for v in precision)
+    return precision
 
 
 # ----- growing the chain ----------------------------------------------------------------------
