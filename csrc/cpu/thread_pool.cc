@@ -109,15 +109,27 @@ class Pool {
     }
   }
 
-  // Returns when ready() holds or after kSpinMicros, whichever comes first.
+  // Returns when ready() holds or after kSpinMicros, whichever comes first. Past
+  // kYieldAfterMicros it offers its core to other threads between polls: on a machine whose
+  // other cores are busy (shared, or a VM's), a worker polling on the core the caller
+  // needs, or the caller polling on the one its worker holds, takes the time the other
+  // would run in. On a 2-core VM (2026-12-07, scripts/cpu_contention_probe.py) a bf16/fp16
+  // ResNet block at batch 1 took 300-340 us a call in some processes instead of 125 us
+  // (plain jit: 220-270 us); with the yield, at most 190-230 us.
   template <class Ready>
   static void Poll(Ready ready) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    const auto start = std::chrono::steady_clock::now();
+    const auto until = start + std::chrono::microseconds(kSpinMicros);
+    const auto patient = start + std::chrono::microseconds(kYieldAfterMicros);
     for (int i = 1; !ready(); ++i) {
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
 #endif
-      if (i % 64 == 0 && std::chrono::steady_clock::now() > until) return;
+      if (i % 64 == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now > until) return;
+        if (now > patient) std::this_thread::yield();
+      }
     }
   }
 
@@ -133,6 +145,7 @@ class Pool {
   }
 
   static constexpr int kSpinMicros = 100;
+  static constexpr int kYieldAfterMicros = 20;
   std::atomic<int64_t> queued_{0};  // jobs_.size(), readable without the lock
 
   std::mutex mu_;
