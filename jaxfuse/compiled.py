@@ -110,6 +110,7 @@ _lock = threading.Lock()  # guards the dicts and counters below, never held whil
 _Key = tuple[str, int, PlanSignature, str]  # platform, device id, signature, solver mode
 _compiled: dict[_Key, CompiledPlan] = {}
 
+
 @dataclasses.dataclass
 class _Compiling:
     """The lock that threads compiling one key take turns on, and how many hold or await it:

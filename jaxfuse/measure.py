@@ -42,8 +42,8 @@ from .signature import SCALARS, PlanSignature
 
 __all__ = ["GPU_REWARM_SECONDS", "TIMING_SCALARS", "Harness", "Timing",
            "compile_helper_programs", "device_timing", "holds_device_timing", "operand_shapes",
-           "page_faults",
-           "quiet_runs", "random_operands", "relative_error", "set_count", "sets_bytes"]
+           "page_faults", "quiet_runs", "random_operands", "relative_error", "set_count",
+           "sets_bytes"]
 
 # What the K input sets may take, in bytes (on CPUs, where a call's overhead is small beside a
 # millisecond-scale op, sets beyond the first are only for tiny problems); how many timed runs
