@@ -346,6 +346,7 @@ UNFUSABLE: dict[str, tuple[Callable[[Layer, jax.Array, jax.Array], Any], str]] =
     "y * sin(y)": (lambda L, x, w: (lambda y: y * jnp.sin(y))(L.conv(x, w)),
                    "used by 2 operations"),
     "celu": (lambda L, x, w: jax.nn.celu(L.conv(x, w)), "`jit(celu)`, which is not"),
+    "reshape": (lambda L, x, w: jax.nn.relu(L.conv(x, w).reshape(2, -1)), "changes the shape"),
     "3-D conv": (lambda L, x, w: jax.nn.relu(lax.conv_general_dilated(
         x[..., None], w[..., None], (1, 1, 1), "SAME")), "2-D"),
 }
@@ -401,6 +402,47 @@ def test_nested_jaxprs(name: str) -> None:
     fn, scope = NESTED[name]
     report = check(fn, _NESTED.x, plans=["CBA"], dtype="float32")
     assert scope in report.fused[0].scope
+
+
+# ----- fuse of vmap: the batch folded into the convolution's, then split off ---------------------
+def _stacked(a: jax.Array, copies: int, seed: int) -> jax.Array:
+    """`copies` different random arrays of `a`'s shape and dtype, stacked on a new axis 0."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((copies, *a.shape)), a.dtype)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fuse_of_vmap_fuses_the_chain_on_the_split_batch(dtype: str, layout: str) -> None:
+    layer = Layer(layout, dtype, seed=30)
+
+    def block(x: jax.Array, w: jax.Array, b: jax.Array, z: jax.Array) -> jax.Array:
+        y = layer.conv(x, w) + layer.channel(b)
+        return jax.nn.relu(_bn_by_hand(layer, y) + z)
+
+    xs, zs = _stacked(layer.x, 3, 31), _stacked(layer.z, 3, 32)
+    batched = jax.vmap(block, in_axes=(0, None, None, 0))
+    check(batched, xs, layer.w, layer.b, zs, plans=["CBNSA"], dtype=dtype)
+
+
+def test_fuse_of_vmap_over_other_axes_and_of_nested_vmaps() -> None:
+    layer = Layer("NHWC", "float32", seed=33)
+    block = lambda x, w, b: jax.nn.relu6(layer.conv(x, w) + b)  # noqa: E731
+    xs = _stacked(layer.x, 3, 34)
+    # Mapped over axis 1 and returned on axis 2: transposes around the split batch.
+    moved = jax.vmap(block, in_axes=(1, None, None), out_axes=2)
+    check(moved, jnp.moveaxis(xs, 0, 1), layer.w, layer.b, plans=["CBA"], dtype="float32")
+    twice = jax.vmap(jax.vmap(block, in_axes=(0, None, None)), in_axes=(0, None, None))
+    check(twice, _stacked(xs, 2, 35), layer.w, layer.b, plans=["CBA"], dtype="float32")
+    # A bias mapped too varies beyond the channel axis: it is added as a full-size input.
+    per_example = jax.vmap(block, in_axes=(0, None, 0))
+    check(per_example, xs, layer.w, _stacked(layer.b, 3, 36), plans=["CSA"], dtype="float32")
+    # Mapped filters: vmap's grouped convolution over the merged channels is left to XLA.
+    per_filter = jax.vmap(block, in_axes=(0, 0, None))
+    report = check(per_filter, xs, _stacked(layer.w, 3, 37), layer.b, plans=[],
+                   dtype="float32")
+    (left,) = report.left_alone
+    assert "changes the shape" in left.reason, left.reason
 
 
 @pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="needs jax.shard_map")

@@ -134,13 +134,15 @@ def emit(group: Group, read: Reader, g: Graph, solver: str | None = None) -> jax
                                              mean, ones, epsilon=0.0)
         elif op.letter == "S":
             step = op.steps[0]
-            z = jnp.broadcast_to(jnp.asarray(read(step.operand.value)), out_desc.shape)
+            # (the chain's shape at this step, which a batch split may have reshaped)
+            z = jnp.broadcast_to(jnp.asarray(read(step.operand.value)), step.out.shape)
+            z = z.reshape(out_desc.shape)
             args.set_side_input_add(handle, z.astype(info.dtype),
                                     alpha=-1.0 if step.op == "sub" else 1.0)
         elif op.letter == "A":
             alpha, beta, gamma = (_scalar(p, read, g) for p in op.steps[0].act_params)
             args.set_activation_forward(handle, alpha, beta, gamma)
-    y = plan.execute(x, args)
+    y = plan.execute(x, args).reshape(group.out.shape)  # (as a batch split left it)
     return y if y.dtype == group.out.dtype else y.astype(group.out.dtype)
 
 

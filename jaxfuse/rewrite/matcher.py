@@ -28,6 +28,9 @@ POINTWISE = frozenset({
     "lt", "max", "min", "mul", "ne", "neg", "pow", "rsqrt", "select_n", "sign", "sin", "sqrt",
     "square", "sub", "tan", "tanh"})
 
+# Steps that compute nothing the plan needs an operator for.
+_PASSIVE = frozenset({"cast", "nop", "split"})
+
 _DATA_LAYOUTS = {(0, 1, 2, 3): "NCHW", (0, 3, 1, 2): "NHWC"}
 _FILTER_LAYOUTS = {(0, 1, 2, 3): "OIHW", (3, 2, 0, 1): "HWIO", (0, 3, 1, 2): "OHWI"}
 
@@ -185,7 +188,9 @@ def _grow(g: Graph, conv: Node, info: ConvInfo) -> tuple[list[Step], str | None]
         if x.is_output:
             return steps, (f"{_what(steps)} is also returned (by the function, or by the body "
                            "it sits in)")
-        candidates, problems = candidate_steps(g, x, info.channel_axis)
+        # (after a batch split, the channel axis is as many places further on as it added)
+        axis = info.channel_axis + len(x.shape) - len(info.x_desc.shape)
+        candidates, problems = candidate_steps(g, x, axis)
         chosen = None
         for step in candidates:
             leak = _escape(step)
@@ -249,7 +254,7 @@ def _longest_prefix(g: Graph, conv: Node, info: ConvInfo, steps: list[Step], sto
             return dataclasses.replace(result, stop=reason)
         reason = result
         longest = longest or result
-    if all(s.kind in ("cast", "nop") for s in steps):  # the stop says more than "only casts"
+    if all(s.kind in _PASSIVE for s in steps):  # the stop says more than "only casts"
         return stop or longest or "nothing follows the convolution"
     return longest or stop or "nothing follows the convolution"
 
@@ -257,8 +262,8 @@ def _longest_prefix(g: Graph, conv: Node, info: ConvInfo, steps: list[Step], sto
 def _as_group(g: Graph, conv: Node, info: ConvInfo, prefix: list[Step], build_plan: Any,
               claimed: set[int]) -> Group | str:
     end = prefix[-1].out
-    if all(s.kind in ("cast", "nop") for s in prefix):
-        return "only casts follow the convolution; there is nothing to fuse"
+    if all(s.kind in _PASSIVE for s in prefix):
+        return "only casts or reshapes follow the convolution; there is nothing to fuse"
     if not end.top_vars:
         return (f"stopping after `{prefix[-1].label}` would end inside a wrapped call "
                 f"(`{g.jaxpr.eqns[end.producer.top].primitive.name}`)")
@@ -345,7 +350,7 @@ def _assign_ops(steps: list[Step]) -> tuple[PlanOp, ...] | str:
         if step.kind == "affine":
             run.append(step)
             continue
-        if step.kind in ("cast", "nop"):
+        if step.kind in _PASSIVE:
             continue
         if step.kind == "side" and step.op == "rsub":  # z - y: negate y, then add z
             run.append(Step("affine", "neg", frozenset(), step.out, op="neg"))

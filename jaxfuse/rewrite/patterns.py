@@ -13,6 +13,7 @@ gives NaN and infinities what the mode gives (so ``where(x > 0, x, 0)``, which t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -209,7 +210,8 @@ class Step:
     """One recognized pointwise step of a chain, from value `x` to value `out`.
 
     kind: "affine" (op in add/sub/rsub/mul/div/neg with a per-channel or scalar operand),
-    "side" (op in add/sub/rsub with a full-size operand), "activation", "cast" or "nop".
+    "side" (op in add/sub/rsub with a full-size operand), "activation", "cast", "nop" or
+    "split" (a reshape splitting the batch dimension: see _splits_batch).
     """
 
     kind: str
@@ -435,6 +437,8 @@ def candidate_steps(g: Graph, x: Value, channel_axis: int) -> tuple[list[Step], 
 def _classify(g: Graph, x: Value, out: Value, nodes: frozenset[Node], label: str,
               built: dict[str, Any], axis: int) -> Step | str:
     """Turns a template match into a Step, checking shapes and dtypes."""
+    if label == "reshape" and out.shape != x.shape and _splits_batch(x, out):
+        return Step("split", "batch split", nodes, out)
     if out.shape != x.shape:
         return f"`{label}` changes the shape {x.shape} -> {out.shape}"
     if not jnp.issubdtype(out.dtype, jnp.floating):
@@ -461,6 +465,22 @@ def _classify(g: Graph, x: Value, out: Value, nodes: frozenset[Node], label: str
         return f"`{label}` operand of shape {operand.shape} does not broadcast to {x.shape}"
     return Step("affine", label, nodes, out, op=built["op"],
                 operand=Operand(source, shape_kind))
+
+
+def _splits_batch(x: Value, out: Value) -> bool:
+    """Whether `out` is `x` with its batch dimensions split further, as ``jax.vmap`` of a
+    convolution leaves it: the mapped axis folded into the batch for the convolution, then
+    split off again (the rest of the chain follows on the split shape). The last
+    :data:`_IMAGE_DIMS` dimensions are one image's; the ones before them are the batch."""
+    if out.producer.params.get("dimensions") is not None:
+        return False
+    image = _IMAGE_DIMS
+    return (len(out.shape) > len(x.shape) and out.shape[-image:] == x.shape[-image:]
+            and math.prod(out.shape[:-image]) == math.prod(x.shape[:-image]))
+
+
+# A 2-D convolution's image: (C, H, W) or (H, W, C).
+_IMAGE_DIMS = 3
 
 
 def _operand_kind(p: Value, shape: tuple[int, ...], axis: int) -> tuple[str | None, Value]:
