@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -177,14 +177,13 @@ def set_count(signature: PlanSignature, device: Any) -> int:
     gives it: on a 2-core VM (2026-11-27) ResNet-50's 3x3 512->512 fp32 chain at batch 1
     (9.4 MB of filters) timed 1.7x faster fused than XLA's composition on one set and at par
     on eight, and the layer benchmark, whose sets are distinct, timed it 0.92-1.04x."""
-    nbytes = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands)
+    nbytes = _bytes(signature.operands)
     nbytes += math.prod(signature.output_shape) * signature.dtype.itemsize
     kind = _platform_kind(device)
     count = int(min(_MAX_SETS, max(1, _SET_BUDGET[kind] // max(nbytes, 1))))
     if kind == "gpu" and (l2 := gpu_l2_bytes(device)):
         count = min(count, max(_GPU_MIN_SETS, math.ceil(_GPU_CACHE_COVER * l2 / max(nbytes, 1))))
-    filters = sum(math.prod(s.shape) * s.dtype.itemsize for s in signature.operands
-                  if s.name == "w")
+    filters = _bytes(s for s in signature.operands if s.name == "w")
     if (kind == "cpu" and filters >= _CPU_COLD_FILTERS and
             math.prod(signature.output_shape) <= _CPU_COLD_PIXELS * signature.conv.out_channels):
         count = max(count, min(_MAX_SETS, -(-_CPU_CACHE_BYTES // filters)))
@@ -196,9 +195,13 @@ def set_count(signature: PlanSignature, device: Any) -> int:
 
 def sets_bytes(signature: PlanSignature, device: Any) -> int:
     """The device memory :func:`random_operands` takes for :func:`set_count` sets."""
-    one = sum(math.prod(spec.shape) * spec.dtype.itemsize
-              for spec in signature.operands[:-1])  # (the scalars come last)
+    one = _bytes(signature.operands[:-1])  # (the scalars come last)
     return set_count(signature, device) * one
+
+
+def _bytes(specs: Iterable[Any]) -> int:
+    """The bytes of arrays of `specs` (anything with a shape and a dtype)."""
+    return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in specs)
 
 
 def random_operands(signature: PlanSignature, device: Any, sets: int,
