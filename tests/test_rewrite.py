@@ -347,6 +347,8 @@ UNFUSABLE: dict[str, tuple[Callable[[Layer, jax.Array, jax.Array], Any], str]] =
                    "used by 2 operations"),
     "celu": (lambda L, x, w: jax.nn.celu(L.conv(x, w)), "`jit(celu)`, which is not"),
     "reshape": (lambda L, x, w: jax.nn.relu(L.conv(x, w).reshape(2, -1)), "changes the shape"),
+    "transposing split": (lambda L, x, w: jax.nn.relu(lax.reshape(
+        L.conv(x, w), (1, 2, 6, 9, 9), dimensions=(0, 1, 3, 2))), "changes the shape"),
     "3-D conv": (lambda L, x, w: jax.nn.relu(lax.conv_general_dilated(
         x[..., None], w[..., None], (1, 1, 1), "SAME")), "2-D"),
 }
@@ -425,24 +427,58 @@ def test_fuse_of_vmap_fuses_the_chain_on_the_split_batch(dtype: str, layout: str
     check(batched, xs, layer.w, layer.b, zs, plans=["CBNSA"], dtype=dtype)
 
 
-def test_fuse_of_vmap_over_other_axes_and_of_nested_vmaps() -> None:
-    layer = Layer("NHWC", "float32", seed=33)
-    block = lambda x, w, b: jax.nn.relu6(layer.conv(x, w) + b)  # noqa: E731
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_fuse_of_vmap_over_other_axes_and_of_nested_vmaps(layout: str) -> None:
+    layer = Layer(layout, "bfloat16", seed=33)
+    block = lambda x, w, b: jax.nn.relu6(layer.conv(x, w) + layer.channel(b))  # noqa: E731
     xs = _stacked(layer.x, 3, 34)
     # Mapped over axis 1 and returned on axis 2: transposes around the split batch.
     moved = jax.vmap(block, in_axes=(1, None, None), out_axes=2)
-    check(moved, jnp.moveaxis(xs, 0, 1), layer.w, layer.b, plans=["CBA"], dtype="float32")
+    check(moved, jnp.moveaxis(xs, 0, 1), layer.w, layer.b, plans=["CBA"], dtype="bfloat16")
     twice = jax.vmap(jax.vmap(block, in_axes=(0, None, None)), in_axes=(0, None, None))
-    check(twice, _stacked(xs, 2, 35), layer.w, layer.b, plans=["CBA"], dtype="float32")
+    check(twice, _stacked(xs, 2, 35), layer.w, layer.b, plans=["CBA"], dtype="bfloat16")
     # A bias mapped too varies beyond the channel axis: it is added as a full-size input.
     per_example = jax.vmap(block, in_axes=(0, None, 0))
-    check(per_example, xs, layer.w, _stacked(layer.b, 3, 36), plans=["CSA"], dtype="float32")
-    # Mapped filters: vmap's grouped convolution over the merged channels is left to XLA.
-    per_filter = jax.vmap(block, in_axes=(0, 0, None))
-    report = check(per_filter, xs, _stacked(layer.w, 3, 37), layer.b, plans=[],
-                   dtype="float32")
+    check(per_example, xs, layer.w, _stacked(layer.b, 3, 36), plans=["CSA"], dtype="bfloat16")
+
+
+def _left_alone_because(fn: Callable[..., Any], *args: Any) -> str:
+    report = check(fn, *args, plans=[], dtype="float32")
     (left,) = report.left_alone
-    assert "changes the shape" in left.reason, left.reason
+    return left.reason
+
+
+def test_fuse_of_vmap_leaves_what_vmap_did_not_fold_into_the_batch() -> None:
+    layer = Layer("NCHW", "float32", seed=37)
+    block = lambda x, w, b: jax.nn.relu(layer.conv(x, w) + layer.channel(b))  # noqa: E731
+    xs, ws, bs = (_stacked(a, 3, 38) for a in (layer.x, layer.w, layer.b))
+    # Mapped filters: vmap merges the copies' output channels into one convolution.
+    reason = _left_alone_because(jax.vmap(block, in_axes=(0, 0, None)), xs, ws, layer.b)
+    assert "changes the shape" in reason, reason
+    reason = _left_alone_because(jax.vmap(block, in_axes=(None, 0, None)), layer.x, ws, layer.b)
+    assert "changes the shape" in reason, reason
+    # Only the bias mapped: vmap broadcasts the convolution's output to the copies.
+    reason = _left_alone_because(jax.vmap(block, in_axes=(None, None, 0)), layer.x, layer.w, bs)
+    assert "broadcast_in_dim" in reason, reason
+    # A batch-norm scale mapped with the input: a scale per copy is no per-channel scale.
+    scaled = jax.vmap(lambda x, w, s: jax.nn.relu(layer.conv(x, w) * layer.channel(s)),
+                      in_axes=(0, None, 0))
+    reason = _left_alone_because(scaled, xs, layer.w, bs)
+    assert "only per-channel scales fuse" in reason, reason
+
+
+def test_gradients_through_fuse_of_vmap() -> None:
+    layer = Layer("NHWC", "float32", seed=39)
+
+    def loss(fn: Callable[..., Any]) -> Callable[..., jax.Array]:
+        return lambda x, w, b: jnp.sum(fn(x, w, b) ** 2)
+
+    block = jax.vmap(lambda x, w, b: jax.nn.relu(layer.conv(x, w) + b), in_axes=(0, None, None))
+    xs = _stacked(layer.x, 3, 40)
+    got = jax.jit(jax.grad(loss(jf.fuse(block)), argnums=(0, 1, 2)))(xs, layer.w, layer.b)
+    want = jax.grad(loss(block), argnums=(0, 1, 2))(xs, layer.w, layer.b)
+    for g, r in zip(got, want):
+        assert relative_error(g, np.asarray(r, np.float64)) <= tolerance("float32")
 
 
 @pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="needs jax.shard_map")

@@ -472,8 +472,9 @@ def _splits_batch(x: Value, out: Value) -> bool:
     convolution leaves it: the mapped axis folded into the batch for the convolution, then
     split off again (the rest of the chain follows on the split shape). The last
     :data:`_IMAGE_DIMS` dimensions are one image's; the ones before them are the batch."""
-    if out.producer.params.get("dimensions") is not None:
-        return False
+    params = out.producer.params
+    if params.get("dimensions") is not None or params.get("sharding") is not None:
+        return False  # (a transpose, or a resharding the fused call would drop)
     image = _IMAGE_DIMS
     return (len(out.shape) > len(x.shape) and out.shape[-image:] == x.shape[-image:]
             and math.prod(out.shape[:-image]) == math.prod(x.shape[:-image]))
